@@ -1,0 +1,152 @@
+"""Maps a call's ``(*args, **kwargs)`` onto the placeholders of a traced graph, and checks it."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path
+
+from fxpipe.errors import InputError
+
+__all__ = ["InputBinder", "bind_arguments", "describe_path"]
+
+
+def bind_arguments(
+    signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> inspect.BoundArguments:
+    """Bind a call to ``signature`` with defaults applied; a mismatch is an InputError."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(
+            f"the call does not match the model's forward{signature}: {e}; "
+            "pass the same arguments as the model itself takes"
+        ) from e
+    bound.apply_defaults()
+    return bound
+
+
+def describe_path(path: Sequence[Any]) -> str:
+    """A pytree key path as Python-like text: ``args[0]['mask']``."""
+    return "".join(str(k) for k in path) or "<root>"
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """What the example had at one leaf of the call's pytree."""
+
+    where: str
+    is_tensor: bool
+    value: Any  # the example's constant, for non-tensor leaves
+    ndim: int = 0
+    inner_shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+
+
+def _example_leaves(bound: inspect.BoundArguments) -> tuple[list[_Leaf], TreeSpec]:
+    flat, spec = tree_flatten_with_path((bound.args, bound.kwargs))
+    leaves = []
+    for path, value in flat:
+        where = describe_path(path)
+        if isinstance(value, torch.Tensor):
+            leaves.append(
+                _Leaf(where, True, None, value.ndim, tuple(value.shape[1:]), value.dtype)
+            )
+        else:
+            leaves.append(_Leaf(where, False, value))
+    return leaves, spec
+
+
+@dataclass(frozen=True)
+class InputBinder:
+    """Turns call arguments into one value per graph placeholder, rejecting what the graph
+    was not traced for (a different structure, a changed constant, a changed shape)."""
+
+    signature: inspect.Signature
+    #: pytree spec of ``(bound.args, bound.kwargs)`` at trace time.
+    in_spec: TreeSpec
+    leaves: tuple[_Leaf, ...]
+    #: "params": one placeholder per forward parameter (fx); "leaves": one per flat leaf.
+    kind: str
+    #: For kind "params", the parameter name of each placeholder; for "leaves", the
+    #: index of each placeholder's leaf.
+    targets: tuple[Any, ...]
+    #: True when the graph only works for the traced non-batch shapes (export).
+    shape_specialized: bool
+
+    @classmethod
+    def from_example(
+        cls,
+        signature: inspect.Signature,
+        bound: inspect.BoundArguments,
+        *,
+        kind: str,
+        targets: Sequence[Any],
+        shape_specialized: bool,
+    ) -> InputBinder:
+        leaves, spec = _example_leaves(bound)
+        return cls(signature, spec, tuple(leaves), kind, tuple(targets), shape_specialized)
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+        """One value per placeholder for this call; raises InputError on any mismatch."""
+        bound = bind_arguments(self.signature, args, kwargs)
+        flat, spec = tree_flatten((bound.args, bound.kwargs))
+        if spec != self.in_spec:
+            raise InputError(
+                f"the call's argument structure differs from the traced example "
+                f"(traced {self._structure(self.in_spec)}, got {self._structure(spec)}); "
+                "call the pipeline with the same structure as the example_input, or rebuild "
+                "it with an example of the new structure"
+            )
+        for leaf, value in zip(self.leaves, flat):
+            self._check_leaf(leaf, value)
+        if self.kind == "leaves":
+            return tuple(flat[int(i)] for i in self.targets)
+        return tuple(bound.arguments[str(name).lstrip("*")] for name in self.targets)
+
+    def _check_leaf(self, leaf: _Leaf, value: Any) -> None:
+        if not leaf.is_tensor:
+            if isinstance(value, torch.Tensor) or not _same_constant(value, leaf.value):
+                raise InputError(
+                    f"argument {leaf.where} is {_short(value)} but the pipeline was traced "
+                    f"with {_short(leaf.value)}; non-tensor arguments are fixed at trace time: "
+                    "pass the traced value or rebuild the pipeline with this one"
+                )
+            return
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"argument {leaf.where} is {_short(value)} but a tensor was traced there; "
+                "pass a tensor"
+            )
+        if self.shape_specialized and (
+            value.ndim != leaf.ndim or tuple(value.shape[1:]) != leaf.inner_shape
+        ):
+            raise InputError(
+                f"argument {leaf.where} has shape {tuple(value.shape)} but the graph was "
+                f"traced for shape (batch, {', '.join(map(str, leaf.inner_shape))}) and is "
+                "specialised to it; pass that shape or rebuild the pipeline with an example "
+                "of the new shape"
+            )
+
+    @staticmethod
+    def _structure(spec: TreeSpec) -> str:
+        text = str(spec).replace("\n", " ")
+        return " ".join(text.split())
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,46 @@
+"""Every error fxpipe raises on purpose; each names the offending value and the remedy."""
+
+from __future__ import annotations
+
+__all__ = [
+    "FxPipeError",
+    "TraceError",
+    "PlanError",
+    "ConfigError",
+    "InputError",
+    "DeviceError",
+    "MemoryPlanError",
+    "StageError",
+]
+
+
+class FxPipeError(Exception):
+    """Base class of every error fxpipe raises on purpose."""
+
+
+class TraceError(FxPipeError, TypeError):
+    """The model could not be captured as a graph by any tracer that was tried."""
+
+
+class ConfigError(FxPipeError, ValueError):
+    """An option passed to fxpipe has a value fxpipe does not accept."""
+
+
+class DeviceError(FxPipeError, ValueError):
+    """A device in ``devices`` is malformed or not present on this machine."""
+
+
+class PlanError(FxPipeError, ValueError):
+    """The graph cannot be split as asked (too many stages, no valid cut)."""
+
+
+class MemoryPlanError(PlanError):
+    """A stage of the plan would not fit in its device's memory."""
+
+
+class InputError(FxPipeError, ValueError):
+    """A call-time or example input does not match what the pipeline was built for."""
+
+
+class StageError(FxPipeError, RuntimeError):
+    """A stage failed in a way that is not the user's own exception (internal)."""

@@ -1,0 +1,181 @@
+"""Frozen records passed between fxpipe's passes and its runtime.
+
+Terms used across the package:
+
+- *value*: the output of one fx node, named by the node's name.
+- *stage j*: a contiguous (convex) set of nodes that runs on ``devices[j]``.
+- *boundary value*: a value produced in one stage and read by a later one.
+- index letters: ``i`` micro-batch, ``j`` stage, ``k`` clock tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import TreeSpec
+
+if TYPE_CHECKING:
+    from torch.fx import GraphModule
+
+__all__ = [
+    "NodeCost",
+    "CostTable",
+    "StagePlan",
+    "BoundaryEdge",
+    "PipelinePlan",
+    "ValueRef",
+    "StageProgram",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """What one fx node costs, as priced by the cost model."""
+
+    #: Relative compute cost of forward + backward (seconds for "time", FLOP-equivalents
+    #: for "flops", bytes for "params"); only ratios between nodes matter to the partitioner.
+    cost: float
+    #: Bytes of the node's output (0 for values that are not tensors).
+    output_bytes: int
+    #: Bytes of the parameters the node owns (call_module) or fetches (get_attr).
+    param_bytes: int
+    #: Whether the node's output is a single tensor; other values never cross a boundary.
+    is_tensor: bool
+    #: Whether the output carries a gradient in training (its bytes travel twice).
+    requires_grad: bool = False
+    #: Bytes the node keeps alive for backward, per example batch (0 for views).
+    saved_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CostTable:
+    """Per-node costs of one graph under one cost mode."""
+
+    #: "time", "flops", "params" or "custom".
+    mode: str
+    #: Unit of :attr:`NodeCost.cost` ("s", "flop", "B" or "custom").
+    unit: str
+    #: Node name -> cost, for every node of the graph.
+    nodes: Mapping[str, NodeCost]
+    #: Example batch size the costs were measured at.
+    batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One stage of a plan: where it runs, what it holds and what crosses its borders."""
+
+    index: int
+    device: torch.device
+    #: Node names in the stage, in the graph's order.
+    nodes: tuple[str, ...]
+    #: Sum of the node costs.
+    cost: float
+    #: Bytes of the parameters the stage holds.
+    param_bytes: int
+    #: Estimated training memory: parameters, gradients, optimizer state and the
+    #: activations of the micro-batches in flight.
+    memory_bytes: int
+    #: Boundary values the stage reads from earlier stages (or model inputs it reads
+    #: though stage 0 holds them), in graph order.
+    inputs: tuple[str, ...]
+    #: Values the stage produces that a later stage or the model output reads.
+    outputs: tuple[str, ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryEdge:
+    """A value that crosses from its producer stage to one or more later stages."""
+
+    value: str
+    producer: int
+    consumers: tuple[int, ...]
+    #: Bytes of the value for the example batch (sent once per consumer stage).
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Where every node of a traced graph runs; compile-time data, nothing runs on devices."""
+
+    #: The traced GraphModule the plan refers to (not modified by planning).
+    graph_module: GraphModule
+    devices: tuple[torch.device, ...]
+    #: Node name -> stage index, for every node of ``graph_module.graph``.
+    stage_of: Mapping[str, int]
+    #: Node name -> cost used by the partitioner.
+    node_cost: Mapping[str, float]
+    stages: tuple[StagePlan, ...]
+    edges: tuple[BoundaryEdge, ...]
+    #: Largest stage cost.
+    bottleneck: float
+    #: max(total / K, largest node): no split can beat it.
+    lower_bound: float
+    #: The cost table the plan was made from.
+    costs: CostTable
+    #: Micro-batches the memory estimates assume.
+    chunks: int = 1
+    #: Free-form facts about how the plan was found (search time, order used, ...).
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def total_cost(self) -> float:
+        return sum(s.cost for s in self.stages)
+
+    def summary(self) -> str:
+        """A table a person reads: one row per stage, totals and predictions below."""
+        from fxpipe.report import plan_summary
+
+        return plan_summary(self)
+
+    def to_dot(self, level: str = "stage") -> str:
+        """Graphviz text of the stages ("stage") or of every node clustered by stage ("node")."""
+        from fxpipe.report import plan_to_dot
+
+        return plan_to_dot(self, level=level)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRef:
+    """A reference, in a flat output list, to the value of the node with this name."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """What the runtime runs: one GraphModule per stage and the values that flow between them.
+
+    Stage ``j`` is called as ``modules[j](*[env[n] for n in inputs[j]])`` and returns a tuple
+    whose items are the values named ``outputs[j]``. ``env`` starts with the model inputs
+    (``graph_inputs``, one value per placeholder; a value may be a pytree of tensors).
+    The model output is ``tree_unflatten([env[r.name] if ValueRef else r ...], output_spec)``.
+    """
+
+    modules: tuple[GraphModule, ...]
+    inputs: tuple[tuple[str, ...], ...]
+    outputs: tuple[tuple[str, ...], ...]
+    graph_inputs: tuple[str, ...]
+    output_leaves: tuple[Any, ...]
+    output_spec: TreeSpec
+    #: "direct": a value goes from its producer to every consumer stage;
+    #: "relay": it passes through every stage in between (for chain-only engines).
+    mode: str = "direct"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.modules)

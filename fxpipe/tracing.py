@@ -1,0 +1,328 @@
+"""Captures a model as a flat GraphModule: torch.fx first, torch.export as the fallback.
+
+The result is normalised so that every later pass sees the same shape of graph: one
+placeholder per model input value, parameters reached through ``get_attr`` or leaf
+``call_module`` nodes that hold the user's own Parameter objects, and an output node that
+returns a flat tuple (the model's output structure is kept as a pytree spec beside it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import io
+import os
+import traceback
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
+
+from fxpipe.binding import InputBinder, bind_arguments
+from fxpipe.errors import ConfigError, TraceError
+
+__all__ = ["Traced", "trace", "TRACERS"]
+
+TRACERS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A model captured as a flat graph, with what maps calls onto it."""
+
+    graph_module: fx.GraphModule
+    binder: InputBinder
+    #: Structure of the model's output; the graph returns its leaves as a flat tuple.
+    output_spec: TreeSpec
+    #: "fx" or "export": which tracer produced the graph.
+    tracer: str
+    #: The example's value for each placeholder, in order.
+    example_values: tuple[Any, ...]
+
+
+def trace(
+    model: nn.Module,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    tracer: str = "auto",
+) -> Traced:
+    """Trace ``model(*args, **kwargs)``; ``tracer`` is "fx", "export" or "auto" (fx, then export).
+
+    Raises TraceError naming the module path and the construct when no tracer succeeds.
+    The model is not modified.
+    """
+    if tracer not in TRACERS:
+        raise ConfigError(f"tracer={tracer!r} is not one of {TRACERS}; pick one of them")
+    kwargs = dict(kwargs or {})
+    signature = inspect.signature(model.forward)
+    bound = bind_arguments(signature, args, kwargs)
+    failures: list[tuple[str, BaseException]] = []
+    for name in ("fx", "export") if tracer == "auto" else (tracer,):
+        try:
+            with _preserved(model):
+                return _TRACE[name](model, signature, bound)
+        except TraceError:
+            raise
+        except Exception as e:  # any tracer failure: try the next one, report all
+            failures.append((name, e))
+    raise _trace_error(model, failures)
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer that traces through modules owning a parameter shared with another module,
+    so that a tied parameter becomes one ``get_attr`` value that stages can pass on."""
+
+    def __init__(self, shared_owners: frozenset[str]) -> None:
+        super().__init__()
+        self.shared_owners = shared_owners
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.shared_owners:
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _shared_parameter_owners(model: nn.Module) -> frozenset[str]:
+    owners: dict[int, set[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(path)
+    return frozenset(path for paths in owners.values() if len(paths) > 1 for path in paths)
+
+
+def _trace_fx(
+    model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
+) -> Traced:
+    concrete = {k: v for k, v in bound.arguments.items() if not _holds_tensor(v)}
+    tracer = _Tracer(_shared_parameter_owners(model))
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _drop_concrete_placeholders(gm, set(concrete))
+    _merge_aliased_attributes(gm)
+    spec = _flatten_output(gm)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+    binder = InputBinder.from_example(
+        signature, bound, kind="params", targets=targets, shape_specialized=False
+    )
+    values = binder.bind(bound.args, bound.kwargs)
+    return Traced(gm, binder, spec, "fx", values)
+
+
+def _trace_export(
+    model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
+) -> Traced:
+    batch = torch.export.Dim.AUTO
+    dynamic = {
+        k: tree_map(lambda t: {0: batch} if _is_batched(t) else None, v)
+        for k, v in bound.arguments.items()
+    }
+    with contextlib.redirect_stdout(io.StringIO()):  # export prints partial graphs on failure
+        program = torch.export.export(
+            model, tuple(bound.args), dict(bound.kwargs), strict=False, dynamic_shapes=dynamic
+        )
+    unlifted = program.module()
+    assert isinstance(unlifted, fx.GraphModule)
+    out_spec = unlifted._out_spec
+    graph = unlifted.graph
+    graph._codegen = fx.graph.CodeGen()
+    gm = fx.GraphModule(unlifted, graph, type(model).__name__)
+    leaf_of = _drop_guards_and_constants(gm, bound)
+    _merge_aliased_attributes(gm)
+    binder = InputBinder.from_example(
+        signature, bound, kind="leaves", targets=leaf_of, shape_specialized=True
+    )
+    values = binder.bind(bound.args, bound.kwargs)
+    return Traced(gm, binder, out_spec, "export", values)
+
+
+_TRACE = {"fx": _trace_fx, "export": _trace_export}
+
+
+def _holds_tensor(value: Any) -> bool:
+    leaves, _ = tree_flatten(value)
+    return any(isinstance(x, torch.Tensor) for x in leaves)
+
+
+def _is_batched(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim > 0
+
+
+def _drop_concrete_placeholders(gm: fx.GraphModule, names: set[str]) -> None:
+    """Remove the placeholders fx made for constant arguments, and their assertion nodes;
+    the binder checks those constants at call time instead."""
+    graph = gm.graph
+    concrete = {
+        n for n in graph.nodes if n.op == "placeholder" and _base_name(n) in names
+    }
+    asserts = (torch._assert, fx._symbolic_trace._assert_is_none)
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.target not in asserts or node.users:
+            continue
+        inputs = node.all_input_nodes
+        if not any(a in concrete or set(a.all_input_nodes) & concrete for a in inputs):
+            continue
+        graph.erase_node(node)
+        for arg in inputs:
+            if arg.op == "call_function" and not arg.users:
+                graph.erase_node(arg)
+    for node in concrete:
+        if not node.users:
+            graph.erase_node(node)
+    gm.recompile()
+
+
+def _base_name(node: fx.Node) -> str:
+    target = str(node.target)
+    stem, _, suffix = target.rpartition("_")
+    return stem if stem and suffix.isdigit() else target
+
+
+def _drop_guards_and_constants(gm: fx.GraphModule, bound: inspect.BoundArguments) -> list[int]:
+    """Remove export's guard call and the placeholders of constant leaves; return, for each
+    remaining placeholder, the index of its leaf in the flattened call."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
+            graph.erase_node(node)
+            if hasattr(gm, str(node.target)):
+                delattr(gm, str(node.target))
+    leaves, _ = tree_flatten((bound.args, bound.kwargs))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(leaves):
+        raise RuntimeError(
+            f"export made {len(placeholders)} placeholders for {len(leaves)} input leaves"
+        )
+    kept = []
+    for index, (node, leaf) in enumerate(zip(placeholders, leaves)):
+        if isinstance(leaf, torch.Tensor) or node.users:
+            kept.append(index)
+        else:
+            graph.erase_node(node)
+    return kept
+
+
+def _merge_aliased_attributes(gm: fx.GraphModule) -> None:
+    """One ``get_attr`` node per tensor object: a tied parameter reached under two names
+    becomes one value, so it lives on one device; unused ``get_attr`` nodes are dropped."""
+    first: dict[int, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        if not node.users:
+            gm.graph.erase_node(node)
+            continue
+        value = _fetch(gm, str(node.target))
+        if not isinstance(value, torch.Tensor):
+            continue
+        kept = first.setdefault(id(value), node)
+        if kept is not node:
+            node.replace_all_uses_with(kept)
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _expand_dataclass(value: Any) -> Any:
+    """A traced call that builds a dataclass output becomes that dataclass of its field
+    values, so the output's tensors are leaves like any others."""
+    if not (isinstance(value, fx.Node) and value.op == "call_function"):
+        return value
+    cls = value.target
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return value
+    if cls not in SUPPORTED_NODES:
+        torch.export.register_dataclass(cls)
+    return cls(*value.args, **value.kwargs)
+
+
+def _flatten_output(gm: fx.GraphModule) -> TreeSpec:
+    """Make the graph return a flat tuple of leaves; return the original structure's spec."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves, spec = tree_flatten(tree_map(_expand_dataclass, output.args[0]))
+    output.args = (tuple(leaves),)
+    gm.recompile()
+    return spec
+
+
+class _preserved:
+    """Restore the model's training flags, buffers and RNG state after tracing."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.modes = [(m, m.training) for m in self.model.modules()]
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers() if not b.is_meta]
+        self.rng = torch.random.get_rng_state()
+
+    def __exit__(self, *exc: object) -> None:
+        for m, mode in self.modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+        torch.random.set_rng_state(self.rng)
+
+
+def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) -> TraceError:
+    lines = []
+    for name, e in failures:
+        where = _where(model, e)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        lines.append(f"  {name}: {type(e).__name__}: {first}{where}")
+    return TraceError(
+        f"could not trace {type(model).__name__}:\n"
+        + "\n".join(lines)
+        + "\nremedy: remove Python control flow that depends on tensor values from forward "
+        "(use torch.where / torch.cond), or make the failing module a leaf; try "
+        "tracer='export' for control flow on shapes"
+    )
+
+
+def _where(model: nn.Module, e: BaseException) -> str:
+    """The innermost module of ``model`` whose forward was running when ``e`` was raised."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    torch_dir = os.path.dirname(torch.__file__)
+    found = None
+    for frame, lineno in _frames(e):
+        code = frame.f_code
+        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if code.co_filename.startswith(torch_dir):
+            continue
+        if isinstance(owner, nn.Module) and id(owner) in paths:
+            path = paths[id(owner)] or "<root>"
+            found = f" (in module '{path}', {_frame_text(frame, lineno)})"
+    return found or ""
+
+
+def _frames(e: BaseException) -> list[tuple[types.FrameType, int]]:
+    """Frames of ``e``'s traceback and of the exceptions it was raised from."""
+    frames: list[tuple[types.FrameType, int]] = []
+    seen: set[int] = set()
+    current: BaseException | None = e
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames[:0] = list(traceback.walk_tb(current.__traceback__))
+        current = current.__cause__ or current.__context__
+    return frames
+
+
+def _frame_text(frame: types.FrameType, lineno: int) -> str:
+    code = frame.f_code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{lineno} in {code.co_name}"
+

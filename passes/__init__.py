@@ -1,0 +1,19 @@
+"""fxpipe's compile-time passes: pure functions from a traced graph to data or a new graph.
+
+Installed as ``fxpipe.passes``; import it only under that name. In order:
+
+1. ``cost_model.estimate_costs(gm, example_values, *, mode) -> CostTable``: prices nodes.
+2. ``nx_graph.to_networkx(gm, costs) -> nx.DiGraph``: node weight = cost, edge = bytes.
+3. ``units.build_units(g) -> Units``: groups that no stage border may split.
+4. ``partition.partition_graph(g, num_stages, *, slack) -> Partition``: the split
+   (``ideals`` is the exact search for small graphs, ``dp`` the exact split of one order).
+5. ``plan.build_plan(gm, costs, g, partition, devices, *, chunks) -> PipelinePlan``.
+6. ``split_stages.split_stages(plan, output_spec, *, mode) -> StageProgram``: codegen.
+
+The contract every pass keeps: inputs are not mutated (the GraphModule, its graph and
+the user's modules are left as they were), options are keyword-only, outputs are frozen
+records from ``fxpipe.ir``. Passes import torch, torch.fx, networkx, numpy, ``fxpipe.ir``
+and ``fxpipe.errors`` only; never the runtime.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,245 @@
+"""Splits a cost graph into K balanced, convex stages; plans only, mutates nothing.
+
+The search works on *units* (:mod:`fxpipe.passes.units`), so that non-tensor values and
+zero-cost naming nodes never become stage borders:
+
+1. When the unit DAG has few enough ideals, the split is the exact optimum over every
+   convex split (:mod:`fxpipe.passes.ideals`).
+2. Otherwise several topological orders (fx order, breadth-first by depth, depth-first
+   finishing each branch) are each split exactly (:mod:`fxpipe.passes.dp`) and the best
+   bottleneck wins.
+3. Among splits whose bottleneck is within ``slack`` of the best, the one that sends the
+   fewest bytes across borders is kept (each value counted at every border it crosses).
+
+Placeholders go to stage 0, ``get_attr`` nodes to the first stage that reads them, and
+the output node to the last stage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import numpy as np
+from fxpipe.passes.dp import min_bytes_split, min_max_split
+from fxpipe.passes.ideals import enumerate_ideals, ideal_split
+from fxpipe.passes.units import Units, build_units
+
+from fxpipe.errors import PlanError
+
+__all__ = ["Partition", "partition_graph", "candidate_orders"]
+
+#: Largest ideal count the exact search takes on inside the partitioner.
+EXACT_LIMIT = 1500
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A stage for every node of the cost graph, and how it was found."""
+
+    stage_of: dict[str, int]
+    bottleneck: float
+    #: "ideals" (exact over convex splits) or "order:<name>" (exact on that order).
+    method: str
+    #: Summed bytes of the values crossing each border (relay counting).
+    border_bytes: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Value:
+    """A value read by other units: where it is made and where it is read."""
+
+    bytes: int
+    producer: int  # unit id, or -1 for a model input (always in stage 0)
+    readers: tuple[int, ...]
+    to_output: bool
+
+
+def partition_graph(
+    g: nx.DiGraph,
+    num_stages: int,
+    *,
+    slack: float = 0.0,
+    exact_limit: int = EXACT_LIMIT,
+) -> Partition:
+    """Split ``g`` (from :func:`fxpipe.passes.nx_graph.to_networkx`) into ``num_stages``."""
+    started = time.perf_counter()
+    units = build_units(g)
+    _check_enough_units(g, units, num_stages)
+    values = _values(g, units)
+    ideals = enumerate_ideals(units.dag, exact_limit) if exact_limit > 0 else None
+    if ideals is not None:
+        unit_stage, best, moved = _split_on_ideals(units, values, ideals, num_stages, slack)
+        method = "ideals"
+    else:
+        unit_stage, best, moved, method = _split_on_orders(units, values, num_stages, slack)
+    stage_of = _node_stages(g, units, unit_stage, num_stages)
+    info = {
+        "units": units.num_units,
+        "ideals": None if ideals is None else len(ideals),
+        "seconds": time.perf_counter() - started,
+    }
+    return Partition(stage_of, best, method, moved, info)
+
+
+def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
+    if num_stages < 1:
+        raise PlanError(f"num_stages={num_stages} must be at least 1")
+    first = max(units.pinned_first, default=-1) + 1
+    cuts = units.num_units - max(first, 1)
+    if cuts >= num_stages - 1:
+        return
+    compute = sum(1 for _, op in g.nodes(data="op") if op != "placeholder")
+    raise PlanError(
+        f"the graph can be cut into at most {cuts + 1} stages ({units.num_units} indivisible "
+        f"groups of {compute} nodes; values that are not tensors never cross a stage border) "
+        f"but {num_stages} stages were asked; pass at most {cuts + 1} devices, or trace "
+        "finer-grained modules"
+    )
+
+
+def _values(g: nx.DiGraph, units: Units) -> list[_Value]:
+    out = []
+    for n, data in g.nodes(data=True):
+        readers = [units.unit_of[v] for v in g.successors(n) if v in units.unit_of]
+        to_output = any(g.nodes[v]["op"] == "output" for v in g.successors(n))
+        if data["op"] == "placeholder":
+            producer = -1
+        elif data["op"] == "get_attr":
+            producer = min(readers, default=-1)
+        elif n in units.unit_of:
+            producer = units.unit_of[n]
+        else:
+            continue
+        readers = sorted({r for r in readers if r != producer})
+        if readers or to_output:
+            out.append(_Value(int(data["bytes"]), producer, tuple(readers), to_output))
+    return out
+
+
+def _split_on_ideals(
+    units: Units, values: list[_Value], ideals: np.ndarray, k: int, slack: float
+) -> tuple[np.ndarray, float, float]:
+    pinned = sorted(units.pinned_first)
+    best, _ = ideal_split(ideals, units.weight, k, required_first=pinned)
+    leaving = _bytes_leaving(ideals, values)
+    cap = _cap(best, slack)
+    moved, rows = ideal_split(
+        ideals, units.weight, k, required_first=pinned, border_bytes=leaving, cap=cap
+    )
+    unit_stage = np.zeros(units.num_units, dtype=np.int64)
+    for row in rows:
+        unit_stage += ~ideals[row]
+    return unit_stage, _bottleneck(units.weight, unit_stage, k), moved
+
+
+def _bytes_leaving(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
+    leaving = np.zeros(len(ideals))
+    for v in values:
+        made = np.ones(len(ideals), dtype=bool) if v.producer < 0 else ideals[:, v.producer]
+        read_outside = ~ideals[:, list(v.readers)].all(axis=1) if v.readers else False
+        leaving += v.bytes * (made & (read_outside | v.to_output))
+    return leaving
+
+
+def _split_on_orders(
+    units: Units, values: list[_Value], k: int, slack: float
+) -> tuple[np.ndarray, float, float, str]:
+    results = []
+    for name, order in candidate_orders(units).items():
+        w = units.weight[order]
+        first = _first_cut(units, order)
+        best, borders = min_max_split(w, k, first_cut=first)
+        results.append((best, name, order, first))
+    best, name, order, first = min(results, key=lambda r: r[0])
+    w = units.weight[order]
+    moved, borders = min_bytes_split(
+        w, _cut_bytes(order, values), k, _cap(best, slack), first_cut=first
+    )
+    position_stage = np.searchsorted(np.array(borders), np.arange(len(order)), side="right")
+    unit_stage = np.empty(units.num_units, dtype=np.int64)
+    unit_stage[np.array(order)] = position_stage
+    return unit_stage, _bottleneck(units.weight, unit_stage, k), moved, f"order:{name}"
+
+
+def candidate_orders(units: Units) -> dict[str, list[int]]:
+    """Topological orders of the unit DAG worth splitting, pinned units first in each."""
+    dag = units.dag
+    depth: dict[int, int] = {}
+    for u in nx.topological_sort(dag):
+        depth[u] = max((depth[p] + 1 for p in dag.predecessors(u)), default=0)
+    pinned = units.pinned_first
+    first = {u: (0 if u in pinned else 1) for u in dag}
+    orders = {
+        "fx": list(nx.lexicographical_topological_sort(dag, key=lambda u: (first[u], u))),
+        "breadth": list(
+            nx.lexicographical_topological_sort(dag, key=lambda u: (first[u], depth[u], u))
+        ),
+        "depth": _depth_first_order(dag, first),
+    }
+    return orders
+
+
+def _depth_first_order(dag: nx.DiGraph, first: dict[int, int]) -> list[int]:
+    """Kahn's algorithm with a stack: finish the branch just entered before starting another."""
+    remaining = {u: dag.in_degree(u) for u in dag}
+    ready = sorted((u for u, d in remaining.items() if d == 0), key=lambda u: (-first[u], -u))
+    order = []
+    while ready:
+        u = ready.pop()
+        order.append(u)
+        unlocked = []
+        for v in dag.successors(u):
+            remaining[v] -= 1
+            if remaining[v] == 0:
+                unlocked.append(v)
+        ready.extend(sorted(unlocked, reverse=True))
+    return order
+
+
+def _first_cut(units: Units, order: list[int]) -> int:
+    position = {u: p for p, u in enumerate(order)}
+    return max((position[u] for u in units.pinned_first), default=-1) + 1
+
+
+def _cut_bytes(order: list[int], values: list[_Value]) -> np.ndarray:
+    """Bytes crossing a border before each position of ``order`` (relay counting)."""
+    num = len(order)
+    position = np.empty(num, dtype=np.int64)
+    position[np.array(order)] = np.arange(num)
+    diff = np.zeros(num + 2)
+    for v in values:
+        start = -1 if v.producer < 0 else int(position[v.producer])
+        last = num if v.to_output else max(int(position[r]) for r in v.readers)
+        diff[start + 1] += v.bytes
+        diff[last + 1] -= v.bytes
+    return np.cumsum(diff)[: num + 1]
+
+
+def _cap(best: float, slack: float) -> float:
+    return best * (1.0 + max(slack, 0.0)) + 1e-9 * max(abs(best), 1.0)
+
+
+def _bottleneck(weight: np.ndarray, unit_stage: np.ndarray, k: int) -> float:
+    return float(np.bincount(unit_stage, weights=weight, minlength=k).max())
+
+
+def _node_stages(
+    g: nx.DiGraph, units: Units, unit_stage: np.ndarray, k: int
+) -> dict[str, int]:
+    stage_of: dict[str, int] = {}
+    for n, op in g.nodes(data="op"):
+        if n in units.unit_of:
+            stage_of[n] = int(unit_stage[units.unit_of[n]])
+        elif op == "placeholder":
+            stage_of[n] = 0
+        elif op == "output":
+            stage_of[n] = k - 1
+    for n, op in g.nodes(data="op"):
+        if op == "get_attr":
+            readers = [stage_of[v] for v in g.successors(n) if v in stage_of]
+            stage_of[n] = min(readers, default=0)
+    return stage_of

@@ -1,0 +1,167 @@
+"""Assembles a PipelinePlan from a partition: stage records, boundary edges, memory estimates.
+
+Training memory of a stage (GPipe, activations re-materialised when checkpointing):
+
+- parameters x ``bytes_per_param_copy`` (weights, gradients and two Adam moments: 4x);
+- checkpointed micro-batches keep only their stage inputs; the micro-batches that are not
+  checkpointed keep every activation the stage saves for backward; the one being
+  recomputed adds its activations once more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from fxpipe.passes.partition import Partition
+
+from fxpipe.errors import MemoryPlanError
+from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
+
+__all__ = ["build_plan", "stage_memory", "PARAM_COPIES"]
+
+#: Copies of each parameter a training step holds: weight, gradient, two Adam moments.
+PARAM_COPIES = 4
+
+
+def build_plan(
+    gm: fx.GraphModule,
+    costs: CostTable,
+    g: nx.DiGraph,
+    partition: Partition,
+    devices: Sequence[torch.device],
+    *,
+    chunks: int,
+    checkpoint: str = "except_last",
+    capacity: Sequence[int | None] | None = None,
+) -> PipelinePlan:
+    """The plan of ``partition``; raises MemoryPlanError when a stage cannot fit its device
+    (``capacity[j]`` bytes; ``None`` means unknown and is not checked)."""
+    k = len(devices)
+    stage_of = partition.stage_of
+    names = [n.name for n in gm.graph.nodes]
+    edges = _edges(gm, costs, stage_of)
+    stages = []
+    for j in range(k):
+        nodes = tuple(n for n in names if stage_of[n] == j)
+        inputs = tuple(e.value for e in edges if j in e.consumers)
+        outputs = tuple(e.value for e in edges if e.producer == j)
+        stage = StagePlan(
+            index=j,
+            device=devices[j],
+            nodes=nodes,
+            cost=sum(costs.nodes[n].cost for n in nodes),
+            param_bytes=_param_bytes(gm, nodes),
+            memory_bytes=0,
+            inputs=inputs,
+            outputs=outputs,
+        )
+        memory = stage_memory(stage, costs, chunks=chunks, checkpoint=checkpoint, last=j == k - 1)
+        stages.append(_with_memory(stage, memory))
+    if capacity is not None:
+        _check_fits(stages, capacity, chunks)
+    node_cost = {n: costs.nodes[n].cost for n in names}
+    total = sum(node_cost.values())
+    lower = max(total / k, max(node_cost.values(), default=0.0))
+    info = {"method": partition.method, "border_bytes": partition.border_bytes, **partition.info}
+    return PipelinePlan(
+        graph_module=gm,
+        devices=tuple(devices),
+        stage_of=dict(stage_of),
+        node_cost=node_cost,
+        stages=tuple(stages),
+        edges=tuple(edges),
+        bottleneck=max(s.cost for s in stages),
+        lower_bound=lower,
+        costs=costs,
+        chunks=chunks,
+        info=info,
+    )
+
+
+def _edges(gm: fx.GraphModule, costs: CostTable, stage_of: dict[str, int]) -> list[BoundaryEdge]:
+    out = []
+    for node in gm.graph.nodes:
+        j = stage_of[node.name]
+        readers = sorted({stage_of[u.name] for u in node.users} - {j})
+        if node.op == "output" or not readers:
+            continue
+        if any(r < j for r in readers):
+            raise AssertionError(f"value {node.name} of stage {j} is read by an earlier stage")
+        out.append(BoundaryEdge(node.name, j, tuple(readers), costs.nodes[node.name].output_bytes))
+    return out
+
+
+def _param_bytes(gm: fx.GraphModule, nodes: tuple[str, ...]) -> int:
+    seen: set[int] = set()
+    total = 0
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name in nodes:
+        node = by_name[name]
+        if node.op == "call_module":
+            tensors = list(gm.get_submodule(str(node.target)).parameters())
+        elif node.op == "get_attr":
+            value = _fetch(gm, str(node.target))
+            tensors = [value] if isinstance(value, torch.nn.Parameter) else []
+        else:
+            continue
+        for p in tensors:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
+
+
+def stage_memory(
+    stage: StagePlan, costs: CostTable, *, chunks: int, checkpoint: str, last: bool
+) -> int:
+    """Estimated bytes a stage holds at its peak in one training step."""
+    scale = 1.0 / max(chunks, 1)  # costs were priced on the whole example batch
+    saved = sum(costs.nodes[n].saved_bytes for n in stage.nodes) * scale
+    inputs = sum(costs.nodes[v].output_bytes for v in stage.inputs) * scale
+    checkpointed = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+    if last and checkpoint == "except_last":
+        checkpointed = chunks - 1
+    kept = (chunks - checkpointed) * saved + checkpointed * inputs
+    recompute = saved if checkpointed else 0.0
+    return int(PARAM_COPIES * stage.param_bytes + kept + recompute)
+
+
+def _with_memory(stage: StagePlan, memory: int) -> StagePlan:
+    return StagePlan(
+        stage.index, stage.device, stage.nodes, stage.cost, stage.param_bytes, memory,
+        stage.inputs, stage.outputs,
+    )
+
+
+def _check_fits(stages: list[StagePlan], capacity: Sequence[int | None], chunks: int) -> None:
+    """Stages that share a device share its memory: check each device's total."""
+    need: dict[str, int] = {}
+    have: dict[str, int] = {}
+    for s in stages:
+        limit = capacity[s.index]
+        if limit is not None:
+            key = str(s.device)
+            need[key] = need.get(key, 0) + s.memory_bytes
+            have[key] = limit
+    over = {d: n for d, n in need.items() if n > have[d]}
+    if not over:
+        return
+    rows = "\n".join(
+        f"  {d}: needs ~{n / 2**30:.2f} GiB for stages "
+        f"{[s.index for s in stages if str(s.device) == d]} of {have[d] / 2**30:.2f} GiB"
+        for d, n in over.items()
+    )
+    raise MemoryPlanError(
+        f"the plan does not fit in device memory with chunks={chunks}:\n{rows}\n"
+        "remedy: add devices, use checkpoint='always', or a smaller batch"
+    )
+
+
+def _fetch(root: torch.nn.Module, target: str) -> object:
+    value: object = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value

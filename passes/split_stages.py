@@ -1,0 +1,132 @@
+"""Generates one GraphModule per stage from a plan, with explicit inputs and outputs.
+
+Stage ``j``'s module takes the values it reads (in graph order) as positional arguments
+and returns a tuple of the values later stages or the model output need. Modules and
+parameters are the user's own objects, shared by reference, never copied.
+
+Two ways to move values between stages:
+
+- ``"direct"``: a value goes from its producer straight to every stage that reads it;
+  model inputs go straight from the caller to every stage that reads them.
+- ``"relay"``: every value passes through each stage between its producer and its last
+  reader, and model inputs enter at stage 0; for engines that only connect neighbours.
+  Model outputs then all leave from the last stage.
+
+For example, a model whose stage 0 makes ``h0`` and ``h1`` and whose stage 2 reads
+``h0`` gets, in direct mode, ``stage1(h1) -> (h2,)`` and ``stage2(h0, h2)``; in relay mode
+``stage1(h0, h1) -> (h0, h2)``.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+
+__all__ = ["split_stages", "run_stages"]
+
+_MODES = ("direct", "relay")
+
+
+def split_stages(
+    plan: PipelinePlan, output_spec: object, *, mode: str = "direct"
+) -> StageProgram:
+    """Stage modules for ``plan`` (built on ``plan.graph_module``, which is not modified)."""
+    if mode not in _MODES:
+        raise ValueError(f"mode={mode!r} is not one of {_MODES}")
+    gm = plan.graph_module
+    nodes = list(gm.graph.nodes)
+    output = nodes[-1]
+    assert output.op == "output"
+    placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
+    flow = _direct(plan, nodes) if mode == "direct" else _relay(plan, nodes)
+    inputs, outputs = flow
+    modules = tuple(
+        _stage_module(gm, plan, j, inputs[j], outputs[j]) for j in range(plan.num_stages)
+    )
+    leaves = tuple(ValueRef(a.name) if isinstance(a, fx.Node) else a for a in output.args[0])
+    return StageProgram(
+        modules=modules,
+        inputs=tuple(tuple(x) for x in inputs),
+        outputs=tuple(tuple(x) for x in outputs),
+        graph_inputs=placeholders,
+        output_leaves=leaves,
+        output_spec=output_spec,  # type: ignore[arg-type]
+        mode=mode,
+    )
+
+
+def _readers(plan: PipelinePlan, node: fx.Node) -> set[int]:
+    return {plan.stage_of[u.name] for u in node.users if u.op != "output"}
+
+
+def _direct(plan: PipelinePlan, nodes: list[fx.Node]) -> tuple[list[list[str]], list[list[str]]]:
+    k = plan.num_stages
+    inputs: list[list[str]] = [[] for _ in range(k)]
+    outputs: list[list[str]] = [[] for _ in range(k)]
+    for node in nodes:
+        if node.op == "output":
+            continue
+        j = plan.stage_of[node.name]
+        readers = _readers(plan, node)
+        for r in sorted(readers):
+            if r != j or node.op == "placeholder":
+                inputs[r].append(node.name)
+        if node.op == "placeholder":
+            continue
+        read_by_output = any(u.op == "output" for u in node.users)
+        if readers - {j} or read_by_output:
+            outputs[j].append(node.name)
+    return inputs, outputs
+
+
+def _relay(plan: PipelinePlan, nodes: list[fx.Node]) -> tuple[list[list[str]], list[list[str]]]:
+    k = plan.num_stages
+    inputs: list[list[str]] = [[] for _ in range(k)]
+    outputs: list[list[str]] = [[] for _ in range(k)]
+    for node in nodes:
+        if node.op == "output":
+            continue
+        readers = _readers(plan, node)
+        if any(u.op == "output" for u in node.users):
+            readers.add(k - 1)
+        if not readers:
+            continue
+        is_input = node.op == "placeholder"
+        first = 0 if is_input else plan.stage_of[node.name]
+        last = max(readers)
+        for j in range(first if is_input else first + 1, last + 1):
+            inputs[j].append(node.name)
+        for j in range(first, last):
+            outputs[j].append(node.name)
+        if k - 1 in readers and any(u.op == "output" for u in node.users):
+            outputs[k - 1].append(node.name)
+    return inputs, outputs
+
+
+def _stage_module(
+    gm: fx.GraphModule, plan: PipelinePlan, j: int, inputs: list[str], outputs: list[str]
+) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in inputs:
+        env[name] = graph.placeholder(name)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or plan.stage_of[node.name] != j:
+            continue
+        env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+    graph.output(tuple(env[name] for name in outputs))
+    graph.lint()
+    return fx.GraphModule(gm, graph, f"Stage{j}")
+
+
+def run_stages(program: StageProgram, values: tuple[object, ...]) -> list[object]:
+    """Run every stage in order on one device: the reference composition of a program.
+
+    Returns the flat model output, as ``plan.graph_module(*values)`` would.
+    """
+    env: dict[str, object] = dict(zip(program.graph_inputs, values))
+    for module, names_in, names_out in zip(program.modules, program.inputs, program.outputs):
+        result = module(*[env[n] for n in names_in])
+        env.update(zip(names_out, result))
+    return [env[x.name] if isinstance(x, ValueRef) else x for x in program.output_leaves]
