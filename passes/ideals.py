@@ -24,18 +24,25 @@ def enumerate_ideals(dag: nx.DiGraph, limit: int) -> np.ndarray | None:
     """All ideals of ``dag`` (nodes 0..U-1) as a boolean matrix, one row per ideal ordered
     by size; ``None`` when there are more than ``limit``."""
     num = dag.number_of_nodes()
+    if num + 1 > limit:  # every DAG has at least num + 1 ideals
+        return None
     preds = [sum(1 << p for p in dag.predecessors(v)) for v in range(num)]
-    frontier, seen = [0], {0}
+    succs = [list(dag.successors(v)) for v in range(num)]
+    sources = [v for v in range(num) if not preds[v]]
+    # Each ideal is grown by the nodes whose predecessors it holds ("ready" nodes); adding
+    # v can only make v's successors ready, so the ready list is updated, not recomputed.
+    frontier: list[tuple[int, tuple[int, ...]]] = [(0, tuple(sources))]
+    seen = {0}
     while frontier:
         nxt = []
-        for ideal in frontier:
-            for v in range(num):
-                bit = 1 << v
-                if not ideal & bit and preds[v] & ~ideal == 0:
-                    grown = ideal | bit
-                    if grown not in seen:
-                        seen.add(grown)
-                        nxt.append(grown)
+        for ideal, ready in frontier:
+            for v in ready:
+                grown = ideal | (1 << v)
+                if grown in seen:
+                    continue
+                seen.add(grown)
+                more = [u for u in succs[v] if preds[u] & ~grown == 0]
+                nxt.append((grown, tuple(u for u in ready if u != v) + tuple(more)))
             if len(seen) > limit:
                 return None
         frontier = nxt

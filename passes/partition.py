@@ -29,10 +29,15 @@ from fxpipe.passes.units import Units, build_units
 
 from fxpipe.errors import PlanError
 
-__all__ = ["Partition", "partition_graph", "candidate_orders"]
+__all__ = ["Partition", "partition_graph", "candidate_orders", "refine"]
 
 #: Largest ideal count the exact search takes on inside the partitioner.
 EXACT_LIMIT = 1500
+#: Split-refine-reorder rounds per candidate order when the exact search is out of reach.
+REFINE_ROUNDS = 3
+#: Seeded random topological orders tried besides the structured ones (small graphs only).
+RANDOM_ORDERS = 8
+RANDOM_ORDERS_MAX_UNITS = 5000
 
 
 @dataclass(frozen=True)
@@ -150,19 +155,65 @@ def _split_on_orders(
 ) -> tuple[np.ndarray, float, float, str]:
     results = []
     for name, order in candidate_orders(units).items():
-        w = units.weight[order]
-        first = _first_cut(units, order)
-        best, borders = min_max_split(w, k, first_cut=first)
-        results.append((best, name, order, first))
+        for _ in range(REFINE_ROUNDS):
+            first = _first_cut(units, order)
+            best, borders = min_max_split(units.weight[order], k, first_cut=first)
+            results.append((best, name, order, first))
+            if not np.isfinite(best):
+                break
+            stage = _order_stages(units, order, borders)
+            refined = refine(units, stage, k)
+            if _bottleneck(units.weight, refined, k) >= best:
+                break
+            position = {u: p for p, u in enumerate(order)}
+            order = sorted(range(units.num_units), key=lambda u: (refined[u], position[u]))
     best, name, order, first = min(results, key=lambda r: r[0])
     w = units.weight[order]
     moved, borders = min_bytes_split(
         w, _cut_bytes(order, values), k, _cap(best, slack), first_cut=first
     )
+    unit_stage = _order_stages(units, order, borders)
+    return unit_stage, _bottleneck(units.weight, unit_stage, k), moved, f"order:{name}"
+
+
+def _order_stages(units: Units, order: list[int], borders: list[int]) -> np.ndarray:
     position_stage = np.searchsorted(np.array(borders), np.arange(len(order)), side="right")
     unit_stage = np.empty(units.num_units, dtype=np.int64)
     unit_stage[np.array(order)] = position_stage
-    return unit_stage, _bottleneck(units.weight, unit_stage, k), moved, f"order:{name}"
+    return unit_stage
+
+
+def refine(units: Units, unit_stage: np.ndarray, k: int, max_moves: int = 200) -> np.ndarray:
+    """Move single units out of the bottleneck stage into a neighbour while that lowers the
+    bottleneck and keeps every edge going forward (a unit may go back a stage when all its
+    predecessors are already there, forward when all its successors are)."""
+    stage = unit_stage.copy()
+    cost = np.bincount(stage, weights=units.weight, minlength=k)
+    count = np.bincount(stage, minlength=k)
+    dag, w = units.dag, units.weight
+    for _ in range(max_moves):
+        b = int(cost.argmax())
+        best: tuple[float, int, int] | None = None
+        for u in np.flatnonzero(stage == b):
+            for to in (b - 1, b + 1):
+                if not 0 <= to < k or count[b] <= 1 or (u in units.pinned_first and to > 0):
+                    continue
+                if to < b and any(stage[p] > to for p in dag.predecessors(u)):
+                    continue
+                if to > b and any(stage[q] < to for q in dag.successors(u)):
+                    continue
+                peak = max(cost[b] - w[u], cost[to] + w[u])
+                if peak < cost[b] - 1e-12 and (best is None or peak < best[0]):
+                    best = (peak, int(u), to)
+        if best is None:
+            break
+        _, u, to = best
+        cost[b] -= w[u]
+        cost[to] += w[u]
+        count[b] -= 1
+        count[to] += 1
+        stage[u] = to
+    return stage
 
 
 def candidate_orders(units: Units) -> dict[str, list[int]]:
@@ -180,6 +231,12 @@ def candidate_orders(units: Units) -> dict[str, list[int]]:
         ),
         "depth": _depth_first_order(dag, first),
     }
+    if dag.number_of_nodes() <= RANDOM_ORDERS_MAX_UNITS:
+        for seed in range(RANDOM_ORDERS):
+            keys = np.random.default_rng(seed).random(dag.number_of_nodes())
+            orders[f"random{seed}"] = list(
+                nx.lexicographical_topological_sort(dag, key=lambda u: (first[u], keys[u]))
+            )
     return orders
 
 
