@@ -1,0 +1,206 @@
+"""``fxpipe.plan`` and ``fxpipe.pipeline``: the one place the passes meet the runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from fxpipe.passes.cost_model import COST_MODES, estimate_costs
+from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.partition import partition_graph
+from fxpipe.passes.plan import build_plan
+from fxpipe.passes.split_stages import split_stages
+from torch import nn
+from torch.utils._pytree import tree_flatten_with_path
+
+from fxpipe.binding import describe_path
+from fxpipe.devices import device_capacity, normalize_devices, parse_device
+from fxpipe.errors import ConfigError, InputError
+from fxpipe.ir import PipelinePlan, StageProgram
+from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
+from fxpipe.tracing import Traced, trace
+
+__all__ = ["plan", "pipeline", "compile_model", "Compiled"]
+
+CostArg = str | Callable[[fx.Node], float]
+#: Graphs up to this many nodes are profiled when ``cost="auto"`` and the devices allow it.
+AUTO_TIME_MAX_NODES = 3000
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """Everything the compiler made for one model: traced graph, plan and stage program."""
+
+    traced: Traced
+    plan: PipelinePlan
+    program: StageProgram
+
+
+def plan(
+    model: nn.Module,
+    example_input: Any,
+    devices: Sequence[Any],
+    *,
+    cost: CostArg = "auto",
+    tracer: str = "auto",
+    example_kwargs: Mapping[str, Any] | None = None,
+    chunks: int | None = None,
+    slack: float = 0.0,
+) -> PipelinePlan:
+    """Trace ``model``, price its nodes and split it across ``devices``; runs nothing on them.
+
+    ``slack`` lets the bottleneck grow by that fraction (0.05 = 5%) to send fewer bytes
+    between stages. The model is not modified.
+    """
+    compiled = compile_model(
+        model, example_input, devices, cost=cost, tracer=tracer,
+        example_kwargs=example_kwargs, chunks=chunks, slack=slack, require_present=False,
+    )
+    return compiled.plan
+
+
+def pipeline(
+    model: nn.Module,
+    example_input: Any,
+    devices: Sequence[Any],
+    *,
+    chunks: int | None = None,
+    checkpoint: str = "except_last",
+    cost: CostArg = "auto",
+    tracer: str = "auto",
+    example_kwargs: Mapping[str, Any] | None = None,
+    deferred_batch_norm: bool = False,
+    output_device: Any = None,
+    slack: float = 0.0,
+) -> Pipeline:
+    """Compile ``model`` into stages over ``devices`` and return a drop-in ``nn.Module``.
+
+    ``pipe(*args, **kwargs)`` returns what ``model(*args, **kwargs)`` returns, with the same
+    gradients; the model's own Parameters move (in place) to their stage's device.
+    """
+    _check_runtime_options(chunks, checkpoint, deferred_batch_norm)
+    out_device = None if output_device is None else parse_device(output_device)
+    compiled = compile_model(
+        model, example_input, devices, cost=cost, tracer=tracer,
+        example_kwargs=example_kwargs, chunks=chunks, checkpoint=checkpoint, slack=slack,
+    )
+    if deferred_batch_norm and compiled.traced.tracer != "fx":
+        raise ConfigError(
+            "deferred_batch_norm=True needs a model traced with torch.fx (this one needed "
+            "torch.export, which fixes BatchNorm into the graph); pass deferred_batch_norm=False"
+        )
+    return Pipeline(
+        model,
+        compiled.traced,
+        compiled.plan,
+        compiled.program,
+        chunks=compiled.plan.chunks if chunks is None else chunks,
+        checkpoint=checkpoint,
+        deferred_batch_norm=deferred_batch_norm,
+        output_device=out_device,
+    )
+
+
+def compile_model(
+    model: nn.Module,
+    example_input: Any,
+    devices: Sequence[Any],
+    *,
+    cost: CostArg = "auto",
+    tracer: str = "auto",
+    example_kwargs: Mapping[str, Any] | None = None,
+    chunks: int | None = None,
+    checkpoint: str = "except_last",
+    slack: float = 0.0,
+    mode: str = "direct",
+    require_present: bool = True,
+) -> Compiled:
+    """Trace, price, partition and split; the steps of :func:`pipeline` before any device work."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
+    targets = normalize_devices(devices, require_present=require_present)
+    args = _example_args(example_input)
+    batch = _example_batch(args, example_kwargs or {})
+    traced = trace(model, args, example_kwargs, tracer=tracer)
+    mode_name = _cost_mode(cost, traced.graph_module, targets, model)
+    costs = estimate_costs(
+        traced.graph_module, traced.example_values, mode=mode_name, device=targets[0]
+        if mode_name == "time" else None,
+    )
+    g = to_networkx(traced.graph_module, costs)
+    parts = partition_graph(g, len(targets), slack=slack)
+    default_chunks = max(1, min(4 * len(targets), batch))
+    the_plan = build_plan(
+        traced.graph_module, costs, g, parts, targets,
+        chunks=chunks or default_chunks, checkpoint=checkpoint,
+        capacity=device_capacity(targets),
+    )
+    program = split_stages(the_plan, traced.output_spec, mode=mode)
+    return Compiled(traced, the_plan, program)
+
+
+def _check_runtime_options(chunks: int | None, checkpoint: str, deferred_bn: bool) -> None:
+    bad_chunks = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
+    if chunks is not None and bad_chunks:
+        raise ConfigError(f"chunks={chunks!r} must be a whole number >= 1 (or None for a default)")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ConfigError(
+            f"checkpoint={checkpoint!r} is not one of {CHECKPOINT_MODES}; pick one of them"
+        )
+    if not isinstance(deferred_bn, bool):
+        raise ConfigError(f"deferred_batch_norm={deferred_bn!r} must be True or False")
+
+
+def _cost_mode(
+    cost: CostArg, gm: fx.GraphModule, devices: Sequence[torch.device], model: nn.Module
+) -> Any:
+    if callable(cost):
+        return cost
+    if cost != "auto":
+        if cost not in COST_MODES:
+            raise ConfigError(
+                f"cost={cost!r} is not one of {('auto',) + COST_MODES} or a callable "
+                "(node) -> float; pick one of them"
+            )
+        return cost
+    on_cpu = all(d.type == "cpu" for d in devices)
+    params_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    small = len(gm.graph.nodes) <= AUTO_TIME_MAX_NODES
+    return "time" if on_cpu and params_cpu and small else "flops"
+
+
+def _example_args(example_input: Any) -> tuple[Any, ...]:
+    if isinstance(example_input, tuple):
+        return example_input
+    return (example_input,)
+
+
+def _example_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """The batch size every tensor of the example shares on dim 0; InputError otherwise."""
+    flat, _ = tree_flatten_with_path((args, dict(kwargs)))
+    sizes = [
+        (describe_path(path), tuple(t.shape))
+        for path, t in flat
+        if isinstance(t, torch.Tensor)
+    ]
+    if not sizes:
+        raise InputError("the example has no tensor; pass at least one batched tensor input")
+    scalars = [w for w, shape in sizes if len(shape) == 0]
+    if scalars:
+        raise InputError(
+            f"example input {scalars[0]} is a 0-dim tensor; dim 0 of every tensor is the batch "
+            "dimension: give it one"
+        )
+    batch = sizes[0][1][0]
+    for where, shape in sizes:
+        if shape[0] != batch:
+            raise InputError(
+                f"example input {where} has batch size {shape[0]} (shape {shape}) but "
+                f"{sizes[0][0]} has {batch}; dim 0 of every tensor must be the same batch"
+            )
+    if batch == 0:
+        raise InputError("the example batch is empty (size 0); pass at least one sample")
+    return int(batch)

@@ -1,0 +1,168 @@
+"""``fxpipe.Pipeline``: the drop-in ``nn.Module`` that runs a compiled model's stages.
+
+The user's model stays the single owner of every Parameter and buffer: they move in place
+to their stage's device, ``parameters()`` yields them, and ``state_dict()`` has exactly
+the model's keys. The stage GraphModules reference the same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fxpipe.devices import same_device
+from fxpipe.errors import ConfigError, DeviceError, InputError
+from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.executor import Executor
+from fxpipe.runtime.microbatch import gather, scatter
+from fxpipe.tracing import Traced
+
+__all__ = ["Pipeline", "CHECKPOINT_MODES"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+class Pipeline(nn.Module):
+    """A model split into stages over devices, run as a GPipe pipeline of micro-batches.
+
+    Attributes: ``plan`` (the PipelinePlan), ``stages`` (stage GraphModules in order),
+    ``devices``, ``chunks`` and ``checkpoint``; ``module`` is the user's model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        traced: Traced,
+        plan: PipelinePlan,
+        program: StageProgram,
+        *,
+        chunks: int,
+        checkpoint: str,
+        deferred_batch_norm: bool = False,
+        output_device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self.plan = plan
+        self.devices = tuple(plan.devices)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.output_device = output_device
+        self._traced = traced
+        self._program = program
+        self._deferred = [convert_deferred_batch_norm(m) for m in program.modules] if (
+            deferred_batch_norm
+        ) else []
+        _place_parameters(model, program, self.devices)
+        self._executor = Executor(program, self.devices, checkpoint)
+        self._wanted = [x.name for x in program.output_leaves if isinstance(x, ValueRef)]
+        self._modules_at_build = _module_ids(model)
+        self.training = model.training
+
+    @property
+    def stages(self) -> tuple[torch.fx.GraphModule, ...]:
+        return self._program.modules
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_unchanged()
+        values = self._traced.binder.bind(args, kwargs)
+        device = self.output_device or _first_device(values)
+        batches = scatter(values, self.chunks)
+        results = self._executor.run(batches, self._wanted)
+        flat = [
+            [env[x.name] if isinstance(x, ValueRef) else x for x in self._program.output_leaves]
+            for env in results
+        ]
+        return tree_unflatten(gather(flat, device), self._program.output_spec)
+
+    def train(self, mode: bool = True) -> Pipeline:
+        super().train(mode)
+        for stage in self._program.modules:
+            stage.train(mode)
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The model's own state dict (same keys as ``model.state_dict()``)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load the model's own checkpoint; values are copied onto each stage's device."""
+        if assign:
+            raise ConfigError(
+                "load_state_dict(assign=True) would replace the Parameters the stages hold; "
+                "use assign=False"
+            )
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def to(self, *args: Any, **kwargs: Any) -> Pipeline:  # type: ignore[override]
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            raise DeviceError(
+                f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
+                f"it cannot move to {device}: build a new pipeline with other devices"
+            )
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Pipeline:
+        raise DeviceError("a pipeline's stages stay on their devices; cuda() is not allowed")
+
+    def cpu(self) -> Pipeline:
+        raise DeviceError("a pipeline's stages stay on their devices; cpu() is not allowed")
+
+    def extra_repr(self) -> str:
+        devices = ", ".join(str(d) for d in self.devices)
+        return f"stages={len(self.devices)}, devices=[{devices}], chunks={self.chunks}, " \
+            f"checkpoint={self.checkpoint!r}"
+
+    def _check_unchanged(self) -> None:
+        if _module_ids(self.module) != self._modules_at_build:
+            raise ConfigError(
+                "the model's modules changed after pipeline() built its stages (a submodule "
+                "was replaced, added or removed); call fxpipe.pipeline() again on the model"
+            )
+
+
+def _module_ids(model: nn.Module) -> list[tuple[str, int]]:
+    return [(name, id(m)) for name, m in model.named_modules()]
+
+
+def _first_device(values: tuple[Any, ...]) -> torch.device:
+    leaves, _ = tree_flatten(values)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    raise InputError("the call has no tensor argument; pass the batched tensor inputs")
+
+
+def _place_parameters(
+    model: nn.Module, program: StageProgram, devices: tuple[torch.device, ...]
+) -> None:
+    """Move every parameter and buffer a stage holds to that stage's device, in place
+    (``.data`` is replaced, the objects stay); all or nothing."""
+    moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        for module, device in zip(program.modules, devices):
+            for tensor in _held_tensors(module):
+                if not same_device(tensor.device, device):
+                    moved.append((tensor, tensor.data))
+                    tensor.data = tensor.data.to(device)
+    except BaseException:
+        for tensor, old in reversed(moved):
+            tensor.data = old
+        raise
+
+
+def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    seen: set[int] = set()
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
