@@ -236,6 +236,18 @@ def _fetch(root: nn.Module, target: str) -> Any:
     return value
 
 
+def _plain(value: Any) -> Any:
+    """fx stores containers as immutable_dict / immutable_list; the user returned a dict
+    or a list."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
 def _expand_dataclass(value: Any) -> Any:
     """A traced call that builds a dataclass output becomes that dataclass of its field
     values, so the output's tensors are leaves like any others."""
@@ -252,7 +264,7 @@ def _expand_dataclass(value: Any) -> Any:
 def _flatten_output(gm: fx.GraphModule) -> TreeSpec:
     """Make the graph return a flat tuple of leaves; return the original structure's spec."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    leaves, spec = tree_flatten(tree_map(_expand_dataclass, output.args[0]))
+    leaves, spec = tree_flatten(tree_map(_expand_dataclass, _plain(output.args[0])))
     output.args = (tuple(leaves),)
     gm.recompile()
     return spec

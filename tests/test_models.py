@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
-from torch import nn
-
 from models import ZOO, Case, cases
+from torch import nn
 
 ALL = list(ZOO.values())
 KNOWN_TAGS = {

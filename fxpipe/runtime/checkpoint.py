@@ -1,0 +1,270 @@
+"""GPipe checkpointing, split into ``Checkpoint`` (forward without grad) and ``Recompute``.
+
+``torch.utils.checkpoint`` recomputes a segment only when its output gradient arrives. GPipe
+wants the recomputation to start earlier, while that gradient is still on its way from the
+next device, so the work is split in two autograd Functions that share one
+:class:`_Recomputation`::
+
+    phony, inputs ──► Checkpoint ──► out0 ──Fork──► out0' ──Join──► out0''
+                                               └──► Recompute ─┘
+                                                  (saves inputs)
+
+In backward ``Join`` hands the phony gradient to ``Recompute`` at once, which reruns the
+stage with grad enabled and the forward's RNG state; ``Fork`` then passes out0's gradient
+to ``Checkpoint``, which backpropagates through the recomputed outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from fxpipe.runtime.dependency import fork, join
+from fxpipe.runtime.phony import get_phony
+from fxpipe.runtime.stream import normalize_device, use_device
+from fxpipe.runtime.worker import ThreadState, capture_thread_state
+
+__all__ = [
+    "is_checkpointing",
+    "is_recomputing",
+    "Checkpointing",
+    "Checkpoint",
+    "Recompute",
+    "checkpoint_stage",
+]
+
+Tensors = tuple[torch.Tensor, ...]
+RNGState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class _Flags(threading.local):
+    checkpointing = False
+    recomputing = False
+
+
+_flags = _Flags()
+
+
+def is_checkpointing() -> bool:
+    """Whether this thread is in the first, gradient-free forward of a checkpointed stage."""
+    return _flags.checkpointing
+
+
+def is_recomputing() -> bool:
+    """Whether this thread is recomputing a checkpointed stage for its backward."""
+    return _flags.recomputing
+
+
+@contextmanager
+def _flag(name: str) -> Iterator[None]:
+    previous = getattr(_flags, name)
+    setattr(_flags, name, True)
+    try:
+        yield
+    finally:
+        setattr(_flags, name, previous)
+
+
+def _save_rng(device: torch.device) -> RNGState:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def _restore_rng(device: torch.device, state: RNGState) -> Iterator[None]:
+    """Run the block from ``state``; the RNG state outside the block is left as it was."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
+@contextmanager
+def _keep_batch_norm_stats(function: Callable[..., Any]) -> Iterator[None]:
+    """Undo the running-statistics update of every BatchNorm the recomputation runs.
+
+    A BatchNorm in training updates its buffers in place on every call; the first forward
+    already did, so the recomputation must not do it again. (Other layers with side effects
+    can check :func:`is_recomputing`.)
+    """
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if isinstance(function, nn.Module):
+        for module in function.modules():
+            if isinstance(module, _BatchNorm) and module.training:
+                buffers = (module.running_mean, module.running_var, module.num_batches_tracked)
+                saved.extend((b, b.clone()) for b in buffers if b is not None)
+    try:
+        yield
+    finally:
+        # Through ``.data``: the recomputed graph saved these buffers (training-mode
+        # BatchNorm backward never reads them), and a version bump would fail its backward.
+        for buffer, old in saved:
+            buffer.data.copy_(old)
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+#: Stands for a tensor leaf of a stage's outputs.
+_TENSOR = object()
+
+
+class _Recomputation:
+    """What the Checkpoint and the Recompute of one stage call share."""
+
+    def __init__(
+        self, function: Callable[..., Sequence[Any]], args: tuple[Any, ...], device: torch.device
+    ) -> None:
+        self.function = function
+        self.device = normalize_device(device)
+        leaves, self.in_spec = tree_flatten(args)
+        self.in_leaves = leaves
+        self.in_tensors: Tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        self.out_spec: TreeSpec | None = None
+        self.out_leaves: list[Any] = []
+        self.rng: RNGState | None = None
+        self.state: ThreadState | None = None
+        #: ``(recomputed output tensors, detached input tensors)`` between the two backwards.
+        self.result: tuple[Tensors, Tensors] | None = None
+
+    def call(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Run the function on the saved arguments with ``tensors`` as their tensor leaves."""
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self.in_leaves]
+        return self.function(*tree_unflatten(leaves, self.in_spec))
+
+    def run_first(self, tensors: Sequence[torch.Tensor]) -> Tensors:
+        """The gradient-free forward: remember RNG and autocast, return detached outputs."""
+        self.rng = _save_rng(self.device)
+        self.state = dataclasses.replace(capture_thread_state(), grad_enabled=True)
+        with torch.no_grad(), _flag("checkpointing"):
+            outputs = self.call(tensors)
+        leaves, self.out_spec = tree_flatten(outputs)
+        # Only the non-tensor leaves are kept: the tensors leave through the Function.
+        self.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        return tuple(x.detach() for x in leaves if isinstance(x, torch.Tensor))
+
+    def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """The stage's outputs with ``tensors`` in place of its tensor leaves."""
+        assert self.out_spec is not None
+        it = iter(tensors)
+        leaves = [next(it) if x is _TENSOR else x for x in self.out_leaves]
+        return tree_unflatten(leaves, self.out_spec)
+
+    def recompute(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Rerun the stage with grad enabled and the first forward's RNG state."""
+        assert self.rng is not None and self.state is not None
+        inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in tensors)
+        with _restore_rng(self.device, self.rng), self.state.enter(), _flag("recomputing"):
+            with use_device(self.device), _keep_batch_norm_stats(self.function):
+                outputs = self.call(inputs)
+        leaves = tree_flatten(outputs)[0]
+        self.result = tuple(x for x in leaves if isinstance(x, torch.Tensor)), inputs
+
+
+class Checkpoint(torch.autograd.Function):
+    """Run a stage without grad; in backward, backpropagate through its recomputation."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, phony: torch.Tensor, rec: _Recomputation, *tensors: torch.Tensor
+    ) -> Tensors:
+        ctx.rec = rec
+        ctx.save_for_backward(*tensors)
+        outputs = rec.run_first(tensors)
+        constants = [x for x in outputs if not x.is_floating_point() and not x.is_complex()]
+        if constants:
+            ctx.mark_non_differentiable(*constants)
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:  # pragma: no cover
+        rec: _Recomputation = ctx.rec
+        if rec.result is None:
+            # Recompute did not run first (its output was not on the way to the loss).
+            rec.recompute(ctx.saved_tensors)
+        assert rec.result is not None
+        outputs, inputs = rec.result
+        rec.result = None
+        pairs = [(y, g) for y, g in zip(outputs, grad_outputs, strict=True) if y.requires_grad]
+        if pairs:
+            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        grads = [x.grad if x.requires_grad else None for x in inputs]
+        return (None, None, *grads)
+
+
+class Recompute(torch.autograd.Function):
+    """A phony identity whose backward recomputes the stage before Checkpoint's backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, phony: torch.Tensor, rec: _Recomputation, *tensors: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.rec = rec
+        ctx.save_for_backward(*tensors)
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_phony: torch.Tensor) -> tuple[Any, ...]:  # pragma: no cover
+        rec: _Recomputation = ctx.rec
+        rec.recompute(ctx.saved_tensors)
+        return (None, None, *(None for _ in ctx.saved_tensors))
+
+
+_checkpoint: Callable[..., Tensors] = Checkpoint.apply
+_recompute: Callable[..., torch.Tensor] = Recompute.apply
+
+
+class Checkpointing:
+    """Checkpoint one call of a stage: ``checkpoint()`` in a worker, ``recompute()`` after.
+
+    ``function(*args)`` returns a tuple of values (or any pytree); ``args`` and the outputs
+    may hold non-tensor leaves and tensors that do not require grad.
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Sequence[Any]],
+        args: tuple[Any, ...],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self._rec = _Recomputation(function, args, torch.device(device))
+
+    def checkpoint(self) -> Any:
+        """Run the stage without keeping activations; returns its outputs."""
+        rec = self._rec
+        # A phony that requires grad keeps Checkpoint in the graph even when no input
+        # requires grad (the stage's parameters are not inputs of the Function).
+        phony = get_phony(rec.device, requires_grad=True)
+        tensors: Tensors = _checkpoint(phony, rec, *rec.in_tensors)
+        return rec.outputs(tensors)
+
+    def recompute(self, outputs: Any) -> Any:
+        """Attach Recompute to ``outputs`` so that it runs before Checkpoint's backward."""
+        leaves, spec = tree_flatten(outputs)
+        k = next((k for k, x in enumerate(leaves) if _is_float(x) and x.requires_grad), None)
+        if k is None:
+            return outputs
+        output, phony = fork(leaves[k])
+        phony = _recompute(phony, self._rec, *self._rec.in_tensors)
+        leaves[k] = join(output, phony)
+        return tree_unflatten(leaves, spec)
+
+
+def checkpoint_stage(
+    function: Callable[..., Sequence[Any]], *args: Any, device: torch.device | str = "cpu"
+) -> Any:
+    """``function(*args)``, checkpointed GPipe-style in the calling thread."""
+    checkpointing = Checkpointing(function, args, device)
+    return checkpointing.recompute(checkpointing.checkpoint())

@@ -1,0 +1,115 @@
+"""Worker threads: one per device, always joined, carrying grad mode and autocast."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from fxpipe.runtime.worker import Task, capture_thread_state, spawn_workers
+
+
+def _workers() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("fxpipe-worker")}
+
+
+def _run(task: Task, device: str = "cpu") -> Any:
+    with spawn_workers([device]) as (in_queues, out_queues):
+        in_queues[0].put(task)
+        ok, value = out_queues[0].get()
+    assert ok, value
+    return value
+
+
+def test_joined_on_exit() -> None:
+    before = set(threading.enumerate())
+    with spawn_workers(["cpu"]):
+        assert len(_workers()) == 1
+    assert set(threading.enumerate()) == before
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_joined_on_exception(error: type[BaseException]) -> None:
+    before = set(threading.enumerate())
+    with pytest.raises(error), spawn_workers(["cpu"]) as (in_queues, _):
+        in_queues[0].put(Task(lambda: time.sleep(0.05)))
+        raise error()
+    assert set(threading.enumerate()) == before
+
+
+def test_one_worker_per_distinct_device() -> None:
+    with spawn_workers(["cpu", "cpu:0", torch.device("cpu")]) as (in_queues, out_queues):
+        assert len(_workers()) == 1
+        assert in_queues[0] is in_queues[1] is in_queues[2]
+        assert out_queues[0] is out_queues[2]
+
+
+def test_runs_in_a_worker_thread() -> None:
+    name = _run(Task(lambda: threading.current_thread().name))
+    assert name != threading.current_thread().name
+    assert name.startswith("fxpipe-worker")
+
+
+def test_results_in_submission_order() -> None:
+    with spawn_workers(["cpu"]) as (in_queues, out_queues):
+        for k in range(5):
+            in_queues[0].put(Task(lambda k=k: k))
+        assert [out_queues[0].get() for _ in range(5)] == [(True, k) for k in range(5)]
+
+
+def test_exception_payload() -> None:
+    def fail() -> None:
+        raise ValueError("boom")
+
+    with spawn_workers(["cpu"]) as (in_queues, out_queues):
+        in_queues[0].put(Task(fail))
+        ok, (kind, exc, tb) = out_queues[0].get()
+    assert not ok and kind is ValueError and str(exc) == "boom"
+    assert tb.tb_next is not None
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_grad_mode_propagates(grad: bool) -> None:
+    with torch.set_grad_enabled(grad):
+        task = Task(torch.is_grad_enabled)
+    assert _run(task) is grad
+
+
+def test_autocast_propagates() -> None:
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+
+    def compute() -> tuple[bool, torch.dtype]:
+        return torch.is_autocast_enabled("cpu"), torch.mm(a, b).dtype
+
+    seen: list[tuple[bool, torch.dtype]] = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        task = Task(compute)
+        # Autocast is thread-local: a bare thread does not see it.
+        bare = threading.Thread(target=lambda: seen.append(compute()))
+        bare.start()
+        bare.join()
+    assert seen == [(False, torch.float32)]
+    assert _run(task) == (True, torch.bfloat16)
+    assert _run(Task(compute)) == (False, torch.float32)
+
+
+def test_capture_thread_state() -> None:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        state = capture_thread_state()
+    assert not state.grad_enabled
+    assert state.autocast == (("cpu", torch.bfloat16),)
+    with state.enter():
+        assert torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()
+    assert not torch.is_autocast_enabled("cpu") and torch.is_grad_enabled()
+    plain = capture_thread_state()
+    with torch.autocast("cpu", dtype=torch.bfloat16), plain.enter():
+        assert not torch.is_autocast_enabled("cpu")  # entering a state also switches off
+
+
+@pytest.mark.cuda
+def test_cuda_worker_runs_on_its_device() -> None:
+    index = _run(Task(torch.cuda.current_device), "cuda:0")
+    assert index == 0

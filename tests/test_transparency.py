@@ -1,0 +1,155 @@
+"""The pipeline is transparent: outputs and every parameter gradient equal eager PyTorch.
+
+Runs over the zoo x stages {1, 2, 3, 4} x chunks {1, 2, 4, 7} x the three checkpoint modes,
+all on CPU stages, in float64 so that any difference beyond summation order (micro-batch
+gradients are summed in another order than the full batch's) fails loudly; a float32 pass
+checks the contract's 1e-5 relative error on the whole gradient. Dropout is set to p=0 in train mode (its random draws follow the
+micro-batch order, so only its determinism under recompute is comparable, which
+tests/runtime checks); BatchNorm models run in eval mode, and in train mode with chunks=1.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+from models import ZOO, Case
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxpipe.api import Compiled, compile_model
+from fxpipe.pipeline import Pipeline
+
+STAGES = (1, 2, 3, 4)
+CHUNKS = (1, 2, 4, 7)
+MODES = ("always", "except_last", "never")
+
+
+def _cases() -> list[tuple[str, int]]:
+    return [(name, k) for name, case in ZOO.items() for k in STAGES if k <= case.max_stages]
+
+
+@cache
+def _compiled(
+    name: str, k: int, train: bool, dtype: torch.dtype = torch.float64
+) -> tuple[nn.Module, Compiled, nn.Module]:
+    """A model, its compiled program over k CPU stages, and an untouched eager twin."""
+    case = ZOO[name]
+    model, twin = _prepared(case, train, dtype), _prepared(case, train, dtype)
+    args, kwargs = _example(case, dtype)
+    compiled = compile_model(
+        model, args, ["cpu"] * k, example_kwargs=kwargs, cost="flops", tracer=case.tracer
+    )
+    return model, compiled, twin
+
+
+def _example(case: Case, dtype: torch.dtype) -> tuple[Any, Any]:
+    return tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        case.example(case.batch),
+    )
+
+
+def _prepared(case: Case, train: bool, dtype: torch.dtype) -> nn.Module:
+    model = case.build().to(dtype)
+    model.train(train)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _pipe(model: nn.Module, compiled: Compiled, chunks: int, checkpoint: str) -> Pipeline:
+    return Pipeline(
+        model, compiled.traced, compiled.plan, compiled.program,
+        chunks=chunks, checkpoint=checkpoint,
+    )
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """A loss that reaches every floating-point output, with fixed per-element weights."""
+    leaves, _ = tree_flatten(out)
+    total = torch.zeros((), dtype=torch.float64)
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            weights = torch.linspace(-1.0, 1.0, t.numel(), dtype=t.dtype).reshape(t.shape)
+            total = total + (t * weights).sum()
+    return total
+
+
+def _check(
+    model: nn.Module, twin: nn.Module, pipe: Pipeline, case: Case, tol: float = 1e-10
+) -> None:
+    for p in [*model.parameters(), *twin.parameters()]:
+        p.grad = None
+    args, kwargs = _example(case, next(model.parameters()).dtype)
+    got, want = pipe(*args, **kwargs), twin(*args, **kwargs)
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    assert got_spec == want_spec
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        if isinstance(w, torch.Tensor) and w.is_floating_point():
+            assert relative_error(g, w) < tol
+        else:
+            assert torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w
+    _loss(got).backward()
+    _loss(want).backward()
+    named = dict(twin.named_parameters())
+    for name, p in model.named_parameters():
+        ref = named[name]
+        if ref.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        assert p.grad is not None, f"{name} got no gradient"
+        assert relative_error(p.grad, ref.grad) < tol, name
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||: float32 sums in another order differ in the last bits."""
+    scale = want.double().norm().item()
+    diff = (got.double() - want.double()).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+@pytest.mark.parametrize("name,k", _cases())
+def test_outputs_and_gradients_equal_eager(name: str, k: int) -> None:
+    case = ZOO[name]
+    train = "batchnorm" not in case.tags
+    model, compiled, twin = _compiled(name, k, train)
+    for chunks in CHUNKS:
+        for checkpoint in MODES:
+            _check(model, twin, _pipe(model, compiled, chunks, checkpoint), case)
+
+
+@pytest.mark.parametrize("name", [c.name for c in ZOO.values() if "batchnorm" in c.tags])
+def test_batchnorm_in_train_mode_with_one_chunk(name: str) -> None:
+    case = ZOO[name]
+    for k in (2, 3):
+        model, compiled, twin = _compiled(name, k, True)
+        for checkpoint in MODES:
+            _check(model, twin, _pipe(model, compiled, 1, checkpoint), case)
+        for a, b in zip(model.buffers(), twin.buffers(), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_float32_gradient_within_contract(name: str) -> None:
+    """In float32 the whole gradient (every parameter, concatenated) and each output stay
+    within 1e-5 relative error of eager, for 2 stages and 4 chunks."""
+    case = ZOO[name]
+    model, compiled, twin = _compiled(name, 2, "batchnorm" not in case.tags, torch.float32)
+    pipe = _pipe(model, compiled, 4, "except_last")
+    args, kwargs = _example(case, torch.float32)
+    got, want = pipe(*args, **kwargs), twin(*args, **kwargs)
+    for g, w in zip(tree_flatten(got)[0], tree_flatten(want)[0], strict=True):
+        if isinstance(w, torch.Tensor) and w.is_floating_point():
+            assert relative_error(g, w) < 1e-5
+    _loss(got).backward()
+    _loss(want).backward()
+    named = dict(twin.named_parameters())
+    pairs = [(p.grad, named[n].grad) for n, p in model.named_parameters() if p.grad is not None]
+    flat_got = torch.cat([g.flatten() for g, _ in pairs])
+    flat_want = torch.cat([w.flatten() for _, w in pairs])
+    assert relative_error(flat_got, flat_want) < 1e-5
