@@ -3,9 +3,10 @@
 Runs over the zoo x stages {1, 2, 3, 4} x chunks {1, 2, 4, 7} x the three checkpoint modes,
 all on CPU stages, in float64 so that any difference beyond summation order (micro-batch
 gradients are summed in another order than the full batch's) fails loudly; a float32 pass
-checks the contract's 1e-5 relative error on the whole gradient. Dropout is set to p=0 in train mode (its random draws follow the
-micro-batch order, so only its determinism under recompute is comparable, which
-tests/runtime checks); BatchNorm models run in eval mode, and in train mode with chunks=1.
+checks the contract's 1e-5 relative error on the whole gradient. Dropout is set to p=0
+in train mode (its random draws follow the micro-batch order, so only its determinism
+under recompute is comparable, which tests/runtime checks); BatchNorm models run in eval
+mode, and in train mode with chunks=1.
 """
 
 from __future__ import annotations
