@@ -8,11 +8,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from fxpipe.passes.cost_model import COST_MODES, estimate_costs
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.plan import build_plan
-from fxpipe.passes.split_stages import split_stages
 from torch import nn
 from torch.utils._pytree import tree_flatten_with_path
 
@@ -20,6 +15,11 @@ from fxpipe.binding import describe_path
 from fxpipe.devices import device_capacity, normalize_devices, parse_device
 from fxpipe.errors import ConfigError, InputError
 from fxpipe.ir import PipelinePlan, StageProgram
+from fxpipe.passes.cost_model import COST_MODES, estimate_costs
+from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.partition import partition_graph
+from fxpipe.passes.plan import build_plan
+from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
 from fxpipe.tracing import Traced, trace
 
@@ -56,8 +56,15 @@ def plan(
     between stages. The model is not modified.
     """
     compiled = compile_model(
-        model, example_input, devices, cost=cost, tracer=tracer,
-        example_kwargs=example_kwargs, chunks=chunks, slack=slack, require_present=False,
+        model,
+        example_input,
+        devices,
+        cost=cost,
+        tracer=tracer,
+        example_kwargs=example_kwargs,
+        chunks=chunks,
+        slack=slack,
+        require_present=False,
     )
     return compiled.plan
 
@@ -84,8 +91,15 @@ def pipeline(
     _check_runtime_options(chunks, checkpoint, deferred_batch_norm)
     out_device = None if output_device is None else parse_device(output_device)
     compiled = compile_model(
-        model, example_input, devices, cost=cost, tracer=tracer,
-        example_kwargs=example_kwargs, chunks=chunks, checkpoint=checkpoint, slack=slack,
+        model,
+        example_input,
+        devices,
+        cost=cost,
+        tracer=tracer,
+        example_kwargs=example_kwargs,
+        chunks=chunks,
+        checkpoint=checkpoint,
+        slack=slack,
     )
     if deferred_batch_norm and compiled.traced.tracer != "fx":
         raise ConfigError(
@@ -127,15 +141,22 @@ def compile_model(
     traced = trace(model, args, example_kwargs, tracer=tracer)
     mode_name = _cost_mode(cost, traced.graph_module, targets, model)
     costs = estimate_costs(
-        traced.graph_module, traced.example_values, mode=mode_name, device=targets[0]
-        if mode_name == "time" else None,
+        traced.graph_module,
+        traced.example_values,
+        mode=mode_name,
+        device=targets[0] if mode_name == "time" else None,
     )
     g = to_networkx(traced.graph_module, costs)
     parts = partition_graph(g, len(targets), slack=slack)
     default_chunks = max(1, min(4 * len(targets), batch))
     the_plan = build_plan(
-        traced.graph_module, costs, g, parts, targets,
-        chunks=chunks or default_chunks, checkpoint=checkpoint,
+        traced.graph_module,
+        costs,
+        g,
+        parts,
+        targets,
+        chunks=chunks or default_chunks,
+        checkpoint=checkpoint,
         capacity=device_capacity(targets),
     )
     program = split_stages(the_plan, traced.output_spec, mode=mode)
@@ -182,9 +203,7 @@ def _example_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     """The batch size every tensor of the example shares on dim 0; InputError otherwise."""
     flat, _ = tree_flatten_with_path((args, dict(kwargs)))
     sizes = [
-        (describe_path(path), tuple(t.shape))
-        for path, t in flat
-        if isinstance(t, torch.Tensor)
+        (describe_path(path), tuple(t.shape)) for path, t in flat if isinstance(t, torch.Tensor)
     ]
     if not sizes:
         raise InputError("the example has no tensor; pass at least one batched tensor input")

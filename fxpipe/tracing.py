@@ -158,9 +158,7 @@ def _drop_concrete_placeholders(gm: fx.GraphModule, names: set[str]) -> None:
     """Remove the placeholders fx made for constant arguments, and their assertion nodes;
     the binder checks those constants at call time instead."""
     graph = gm.graph
-    concrete = {
-        n for n in graph.nodes if n.op == "placeholder" and _base_name(n) in names
-    }
+    concrete = {n for n in graph.nodes if n.op == "placeholder" and _base_name(n) in names}
     asserts = (torch._assert, fx._symbolic_trace._assert_is_none)
     for node in reversed(list(graph.nodes)):
         if node.op != "call_function" or node.target not in asserts or node.users:
@@ -337,4 +335,3 @@ def _frames(e: BaseException) -> list[tuple[types.FrameType, int]]:
 def _frame_text(frame: types.FrameType, lineno: int) -> str:
     code = frame.f_code
     return f"{code.co_filename.rsplit('/', 1)[-1]}:{lineno} in {code.co_name}"
-

@@ -45,11 +45,28 @@ _VIEW_OPS = frozenset(
     "_unsafe_view sym_size numel getattr split_with_sizes movedim as_strided".split()
 )
 _HEAVY_ELEMENTWISE = {  # FLOP per output element, forward
-    "layer_norm": 8, "batch_norm": 8, "group_norm": 8, "instance_norm": 8, "rms_norm": 6,
-    "native_layer_norm": 8, "native_batch_norm": 8, "_native_batch_norm_legit": 8,
-    "_native_batch_norm_legit_functional": 8, "softmax": 5, "log_softmax": 5,
-    "_softmax": 5, "_log_softmax": 5, "gelu": 8, "silu": 4, "tanh": 4, "sigmoid": 4,
-    "exp": 4, "erf": 8, "cross_entropy": 6, "dropout": 2, "native_dropout": 2,
+    "layer_norm": 8,
+    "batch_norm": 8,
+    "group_norm": 8,
+    "instance_norm": 8,
+    "rms_norm": 6,
+    "native_layer_norm": 8,
+    "native_batch_norm": 8,
+    "_native_batch_norm_legit": 8,
+    "_native_batch_norm_legit_functional": 8,
+    "softmax": 5,
+    "log_softmax": 5,
+    "_softmax": 5,
+    "_log_softmax": 5,
+    "gelu": 8,
+    "silu": 4,
+    "tanh": 4,
+    "sigmoid": 4,
+    "exp": 4,
+    "erf": 8,
+    "cross_entropy": 6,
+    "dropout": 2,
+    "native_dropout": 2,
 }
 CostFn = Callable[[fx.Node], float]
 

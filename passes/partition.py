@@ -23,11 +23,11 @@ from typing import Any
 
 import networkx as nx
 import numpy as np
+
+from fxpipe.errors import PlanError
 from fxpipe.passes.dp import min_bytes_split, min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split
 from fxpipe.passes.units import Units, build_units
-
-from fxpipe.errors import PlanError
 
 __all__ = ["Partition", "partition_graph", "candidate_orders", "refine"]
 
@@ -284,9 +284,7 @@ def _bottleneck(weight: np.ndarray, unit_stage: np.ndarray, k: int) -> float:
     return float(np.bincount(unit_stage, weights=weight, minlength=k).max())
 
 
-def _node_stages(
-    g: nx.DiGraph, units: Units, unit_stage: np.ndarray, k: int
-) -> dict[str, int]:
+def _node_stages(g: nx.DiGraph, units: Units, unit_stage: np.ndarray, k: int) -> dict[str, int]:
     stage_of: dict[str, int] = {}
     for n, op in g.nodes(data="op"):
         if n in units.unit_of:

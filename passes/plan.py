@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import networkx as nx
 import torch
 import torch.fx as fx
-from fxpipe.passes.partition import Partition
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
+from fxpipe.passes.partition import Partition
 
 __all__ = ["build_plan", "stage_memory", "PARAM_COPIES"]
 
@@ -131,8 +131,14 @@ def stage_memory(
 
 def _with_memory(stage: StagePlan, memory: int) -> StagePlan:
     return StagePlan(
-        stage.index, stage.device, stage.nodes, stage.cost, stage.param_bytes, memory,
-        stage.inputs, stage.outputs,
+        stage.index,
+        stage.device,
+        stage.nodes,
+        stage.cost,
+        stage.param_bytes,
+        memory,
+        stage.inputs,
+        stage.outputs,
     )
 
 

@@ -28,9 +28,7 @@ __all__ = ["split_stages", "run_stages"]
 _MODES = ("direct", "relay")
 
 
-def split_stages(
-    plan: PipelinePlan, output_spec: object, *, mode: str = "direct"
-) -> StageProgram:
+def split_stages(plan: PipelinePlan, output_spec: object, *, mode: str = "direct") -> StageProgram:
     """Stage modules for ``plan`` (built on ``plan.graph_module``, which is not modified)."""
     if mode not in _MODES:
         raise ValueError(f"mode={mode!r} is not one of {_MODES}")

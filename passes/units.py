@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
+
 from fxpipe.passes.nx_graph import COMPUTE_OPS
 
 __all__ = ["Units", "build_units"]

@@ -64,8 +64,12 @@ def _prepared(case: Case, train: bool, dtype: torch.dtype) -> nn.Module:
 
 def _pipe(model: nn.Module, compiled: Compiled, chunks: int, checkpoint: str) -> Pipeline:
     return Pipeline(
-        model, compiled.traced, compiled.plan, compiled.program,
-        chunks=chunks, checkpoint=checkpoint,
+        model,
+        compiled.traced,
+        compiled.plan,
+        compiled.program,
+        chunks=chunks,
+        checkpoint=checkpoint,
     )
 
 

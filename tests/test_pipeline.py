@@ -1,0 +1,313 @@
+"""fxpipe.Pipeline in a user's training loop: optimizers, checkpoints, modes, errors."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import ZOO
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import ConfigError, DeviceError, FxPipeError, InputError
+
+
+class Net(nn.Module):
+    """A small residual net with a skip from the first layer to the head."""
+
+    def __init__(self, width: int = 16, depth: int = 6, p: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.drop = nn.Dropout(p)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.relu(self.inp(x))
+        h = h0
+        for block in self.blocks:
+            h = h + self.drop(torch.tanh(block(h)))
+        return self.head(h + h0)
+
+
+def _net(**kwargs: float) -> nn.Module:
+    torch.manual_seed(0)
+    return Net(**kwargs)  # type: ignore[arg-type]
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_optimizer_made_before_pipeline_trains_like_eager() -> None:
+    model, twin = _net(), _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, cost="flops")
+    for _ in range(3):
+        F.mse_loss(pipe(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(twin(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_parameters_are_the_models_own_objects() -> None:
+    model = _net()
+    before = [id(p) for p in model.parameters()]
+    pipe = fxpipe.pipeline(model, torch.randn(4, 8), ["cpu"] * 2, cost="flops")
+    assert {id(p) for p in pipe.parameters()} == set(before)
+    assert [id(p) for p in model.parameters()] == before
+
+
+def test_state_dict_has_the_models_keys_and_round_trips() -> None:
+    model = ZOO["transformer"].build().eval()
+    args, kwargs = ZOO["transformer"].example(4)
+    pipe = fxpipe.pipeline(model, args, ["cpu"] * 3, example_kwargs=kwargs, cost="flops")
+    state = pipe.state_dict()
+    fresh = ZOO["transformer"].build().eval()
+    assert list(state) == list(fresh.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    fresh.load_state_dict(pipe.state_dict())
+    torch.testing.assert_close(fresh(*args, **kwargs), pipe(*args, **kwargs))
+    pipe.load_state_dict(ZOO["transformer"].build().state_dict())
+    torch.testing.assert_close(
+        pipe(*args, **kwargs), ZOO["transformer"].build().eval()(*args, **kwargs)
+    )
+    with pytest.raises(ConfigError, match="assign"):
+        pipe.load_state_dict(state, assign=True)
+
+
+def test_train_and_eval_propagate_and_no_grad_builds_no_graph() -> None:
+    model = _net(p=0.5)
+    pipe = fxpipe.pipeline(model, torch.randn(4, 8), ["cpu"] * 2, cost="flops")
+    pipe.eval()
+    assert not model.training and not model.drop.training
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(pipe(x), model(x))
+    pipe.train()
+    assert model.training and model.drop.training
+    with torch.no_grad():
+        assert pipe(x).grad_fn is None
+
+
+def test_dropout_gives_the_same_gradients_with_and_without_checkpointing() -> None:
+    x = torch.randn(8, 8)
+    grads = []
+    for checkpoint in ("always", "except_last", "never"):
+        model = _net(p=0.3)
+        pipe = fxpipe.pipeline(
+            model, x, ["cpu"] * 3, chunks=4, checkpoint=checkpoint, cost="flops"
+        )
+        torch.manual_seed(123)
+        pipe(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_autocast_reaches_the_stages() -> None:
+    model, twin = _net(), _net()
+    x = torch.randn(8, 8)
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=2, cost="flops")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = pipe(x), twin(x)
+    assert out.dtype == torch.bfloat16 == ref.dtype
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_deferred_batch_norm_matches_full_batch_running_stats() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.BatchNorm1d(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 2)
+    )
+    full = nn.BatchNorm1d(8)
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x) * 2
+
+    wrapped = Wrapped()
+    x0 = torch.randn(16, 8)
+    pipe = fxpipe.pipeline(
+        wrapped, x0, ["cpu"] * 2, chunks=4, deferred_batch_norm=True, cost="flops"
+    )
+    assert isinstance(model[0], nn.BatchNorm1d)  # the user's module is not replaced
+    for step in range(4):
+        x = torch.randn(16, 8) * (step + 1) + step
+        pipe(x).sum().backward()
+        full(x)
+    torch.testing.assert_close(model[0].running_mean, full.running_mean)
+    torch.testing.assert_close(model[0].running_var, full.running_var)
+    assert int(model[0].num_batches_tracked) == 4
+
+
+FAILURE = {"armed": False}
+
+
+def boom(x: torch.Tensor) -> torch.Tensor:
+    """Identity that raises while armed; traced as one call, so the check runs per call."""
+    if FAILURE["armed"]:
+        raise KeyError("injected failure")
+    return x
+
+
+torch.fx.wrap("boom")
+
+
+class Fails(nn.Module):
+    """Three layers with a failure point between the second and the third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(boom(self.b(self.a(x))))
+
+
+def test_a_stage_that_raises_surfaces_its_exception_and_the_next_call_works() -> None:
+    model = Fails()
+    x = torch.randn(8, 4)
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, cost="flops")
+    threads = threading.active_count()
+    FAILURE["armed"] = True
+    try:
+        with pytest.raises(KeyError, match="injected failure") as info:
+            pipe(x)
+    finally:
+        FAILURE["armed"] = False
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert frames[-1] == "boom"  # the raising frame is kept
+    assert threading.active_count() == threads
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_output_device_and_moves() -> None:
+    model = _net()
+    x = torch.randn(4, 8)
+    pipe = fxpipe.pipeline(model, x, ["cpu", "cpu"], output_device="cpu", cost="flops")
+    assert pipe(x).device == torch.device("cpu")
+    with pytest.raises(DeviceError):
+        pipe.to("cpu")
+    assert pipe.to(torch.float64) is pipe
+    assert next(model.parameters()).dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        ({"chunks": 0}, ConfigError, "chunks=0"),
+        ({"chunks": 2.5}, ConfigError, "chunks=2.5"),
+        ({"checkpoint": "sometimes"}, ConfigError, "sometimes"),
+        ({"cost": "magic"}, ConfigError, "magic"),
+        ({"tracer": "jit"}, ConfigError, "jit"),
+        ({"devices": []}, DeviceError, "empty"),
+        ({"devices": ["tpu:0"]}, DeviceError, "tpu"),
+        ({"devices": ["cpu"] * 500}, FxPipeError, "500 stages"),
+        ({"devices": "cpu"}, DeviceError, "one device"),
+    ],
+)
+def test_bad_options_raise_and_leave_the_model_as_it_was(
+    kwargs: dict[str, object], error: type[Exception], text: str
+) -> None:
+    model = _net()
+    model.eval()
+    before = _state(model)
+    devices = kwargs.pop("devices", ["cpu", "cpu"])
+    with pytest.raises(error, match=text):
+        fxpipe.pipeline(model, torch.randn(4, 8), devices, **kwargs)  # type: ignore[arg-type]
+    assert not model.training
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_call_time_inputs_are_checked() -> None:
+    case = ZOO["multi_io_dict"]
+    model = case.build()
+    args, kwargs = case.example(8)
+    pipe = fxpipe.pipeline(model, args, ["cpu"] * 2, example_kwargs=kwargs, cost="flops")
+    bad = (args[0], args[1][:5])
+    with pytest.raises(InputError, match="batch"):
+        pipe(*bad, **kwargs)
+    with pytest.raises(InputError):
+        pipe(*args)  # a keyword the graph was traced with is missing
+    with pytest.raises(InputError, match="empty|0"):
+        pipe(args[0][:0], args[1][:0], **{k: v[:0] for k, v in kwargs.items()})
+    out = pipe(args[0][:2], args[1][:2], **{k: v[:2] for k, v in kwargs.items()})
+    ref = model(args[0][:2], args[1][:2], **{k: v[:2] for k, v in kwargs.items()})
+    torch.testing.assert_close(out, ref)
+
+
+def test_export_graphs_refuse_another_non_batch_shape() -> None:
+    case = ZOO["export_only"]
+    model = case.build()
+    args, kwargs = case.example(8)
+    pipe = fxpipe.pipeline(model, args, ["cpu"] * 2, example_kwargs=kwargs, cost="flops")
+    x = args[0]
+    wider = torch.randn(x.shape[0], *x.shape[1:-1], x.shape[-1] + 1)
+    with pytest.raises(InputError, match="shape"):
+        pipe(wider, *args[1:], **kwargs)
+    torch.testing.assert_close(pipe(*args, **kwargs), model(*args, **kwargs))
+
+
+def test_a_non_tensor_argument_must_keep_its_traced_value() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return self.fc(x) * scale
+
+    model = Scaled()
+    x = torch.randn(4, 4)
+    pipe = fxpipe.pipeline(model, (x, 2.0), ["cpu"], cost="flops")
+    torch.testing.assert_close(pipe(x, 2.0), model(x, 2.0))
+    with pytest.raises(InputError, match="3.0"):
+        pipe(x, 3.0)
+
+
+def test_replacing_a_module_after_building_is_detected() -> None:
+    model = _net()
+    pipe = fxpipe.pipeline(model, torch.randn(4, 8), ["cpu"] * 2, cost="flops")
+    model.head = nn.Linear(16, 4)
+    with pytest.raises(ConfigError, match="changed"):
+        pipe(torch.randn(4, 8))
+
+
+def test_the_user_model_survives_a_failed_trace() -> None:
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            if h.sum() > 0:
+                return h
+            return -h
+
+    model = DataDependent()
+    before = _state(model)
+    with pytest.raises(fxpipe.FxPipeError, match="fc|forward"):
+        fxpipe.pipeline(model, torch.randn(4, 4), ["cpu"] * 2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert copy.deepcopy(model)(torch.randn(2, 4)).shape == (2, 4)
