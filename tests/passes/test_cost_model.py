@@ -1,0 +1,257 @@
+"""Cost model: every node priced, sizes match the real tensors, the model's state untouched."""
+
+from __future__ import annotations
+
+import functools
+import resource
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from models import ZOO, Case, ResidualMLP
+from torch import nn
+
+from fxpipe.errors import ConfigError, FxPipeError
+from fxpipe.ir import CostTable, NodeCost
+from fxpipe.passes.cost_model import estimate_costs
+from fxpipe.tracing import trace
+
+ALL = list(ZOO.values())
+NAMING_OPS = ("placeholder", "output", "get_attr")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The models here are tiny: one intra-op thread beats two contending for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def traced(name: str) -> tuple[nn.Module, Any]:
+    case = ZOO[name]
+    model = case.build().eval()
+    args, kwargs = case.example(case.batch)
+    return model, trace(model, args, kwargs, tracer=case.tracer)
+
+
+def real_outputs(gm: fx.GraphModule, values: tuple[Any, ...]) -> dict[str, Any]:
+    """The value every node of ``gm`` produces on ``values``, run for real."""
+    seen: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            seen[n.name] = out
+            return out
+
+    with torch.no_grad():
+        Recorder(gm).run(*values)
+    return seen
+
+
+def fetch(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.name)
+def test_every_node_gets_a_cost_and_real_output_bytes(case: Case) -> None:
+    _, t = traced(case.name)
+    gm = t.graph_module
+    code = gm.code
+    costs = estimate_costs(gm, t.example_values, mode="flops")
+    assert isinstance(costs, CostTable) and costs.mode == "flops"
+    assert costs.batch_size == case.batch
+    assert list(costs.nodes) == [n.name for n in gm.graph.nodes]
+    assert all(isinstance(c, NodeCost) for c in costs.nodes.values())
+    assert gm.code == code  # the graph is not modified
+    real = real_outputs(gm, t.example_values)
+    for node in gm.graph.nodes:
+        c, out = costs.nodes[node.name], real[node.name]
+        assert c.cost >= 0.0, node.name
+        if node.op in ("placeholder", "output"):
+            assert c.cost == 0.0
+        assert c.is_tensor == isinstance(out, torch.Tensor), node.name
+        if isinstance(out, torch.Tensor):
+            assert c.output_bytes == nbytes(out), node.name
+    compute = [n for n in gm.graph.nodes if n.op not in NAMING_OPS]
+    assert sum(costs.nodes[n.name].cost for n in compute) > 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fxpipe/passes/cost_model.py _describe gives the output node saved_bytes equal to "
+    "the model output's bytes, which the producers already count (stage_memory double counts)",
+)
+def test_naming_nodes_save_nothing_for_backward() -> None:
+    _, t = traced("mlp_residual")
+    costs = estimate_costs(t.graph_module, t.example_values, mode="flops")
+    for node in t.graph_module.graph.nodes:
+        if node.op in NAMING_OPS:
+            assert costs.nodes[node.name].saved_bytes == 0, node.name
+
+
+def _linear_cost(batch: int, d_in: int, d_out: int, *, as_module: bool) -> float:
+    layer = nn.Linear(d_in, d_out)
+    model = nn.Sequential(layer) if as_module else layer
+    t = trace(model, (torch.randn(batch, d_in),), tracer="fx")
+    costs = estimate_costs(t.graph_module, t.example_values, mode="flops")
+    ops = [n for n in t.graph_module.graph.nodes if n.op not in NAMING_OPS]
+    assert len(ops) == 1
+    return costs.nodes[ops[0].name].cost
+
+
+@pytest.mark.parametrize("as_module", [True, False], ids=["call_module", "call_function"])
+@pytest.mark.parametrize("batch, d_in, d_out", [(128, 256, 512), (256, 384, 128)])
+def test_flops_price_a_linear_as_forward_plus_backward(
+    as_module: bool, batch: int, d_in: int, d_out: int
+) -> None:
+    cost = _linear_cost(batch, d_in, d_out, as_module=as_module)
+    assert cost == pytest.approx(3 * 2 * batch * d_in * d_out, rel=0.05)
+
+
+class Elementwise(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(x)
+        b = a + y
+        c = b * 0.5
+        d = torch.sigmoid(c)
+        e = F.gelu(d)
+        f = F.layer_norm(e, e.shape[-1:])
+        g = torch.softmax(f, dim=-1)
+        return g - x
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_flops_give_element_wise_ops_a_cost_growing_with_size(device: str) -> None:
+    small = torch.randn(8, 64, device=device)
+    big = torch.randn(32, 64, device=device)
+    model = Elementwise()
+    t = trace(model, (small, small), tracer="fx")
+    ops = [n.name for n in t.graph_module.graph.nodes if n.op == "call_function"]
+    ops = [n for n in ops if not n.startswith("getattr") and not n.startswith("getitem")]
+    assert len(ops) >= 8
+    c_small = estimate_costs(t.graph_module, (small, small), mode="flops").nodes
+    c_big = estimate_costs(t.graph_module, (big, big), mode="flops").nodes
+    for name in ops:
+        assert c_small[name].cost > 0, name
+        assert c_big[name].cost > c_small[name].cost, name
+
+
+def _priced(model: nn.Module, x: torch.Tensor) -> CostTable:
+    t = trace(model, (x,), tracer="fx")
+    return estimate_costs(t.graph_module, t.example_values, mode="flops")
+
+
+def test_flops_on_a_meta_model_equal_those_of_the_real_model() -> None:
+    with torch.device("meta"):
+        meta_model = ResidualMLP()
+    real = _priced(ResidualMLP(), torch.randn(8, 32))
+    meta = _priced(meta_model, torch.randn(8, 32, device="meta"))
+    assert meta.nodes == real.nodes
+    assert all(p.is_meta for p in meta_model.parameters())
+
+
+def test_flops_on_a_huge_meta_model_take_no_real_memory() -> None:
+    width = 16384  # 1 GiB of float32 weights per layer if it were real
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        x = torch.randn(64, width)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    costs = _priced(model, x)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < 512 * 1024, f"peak memory grew by {grown} KiB"
+    layer = costs.nodes["_0"]
+    assert layer.cost == pytest.approx(6 * 64 * width * width, rel=0.05)
+    assert layer.param_bytes == (width * width + width) * 4
+    assert layer.output_bytes == 64 * width * 4
+    assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["mlp_residual", "transformer", "resnet", "shared_module"])
+def test_params_mode_prices_parameter_bytes(name: str) -> None:
+    model, t = traced(name)
+    gm = t.graph_module
+    costs = estimate_costs(gm, t.example_values, mode="params")
+    assert costs.mode == "params"
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            held = list(gm.get_submodule(str(node.target)).parameters())
+        elif node.op == "get_attr":
+            value = fetch(gm, str(node.target))
+            held = [value] if isinstance(value, nn.Parameter) else []
+        else:
+            held = []
+        want = sum(nbytes(p) for p in held)
+        assert costs.nodes[node.name].cost == want, node.name
+        assert costs.nodes[node.name].param_bytes == want, node.name
+    if name != "shared_module":  # there one module is called twice, so priced twice
+        total = sum(nbytes(p) for p in model.parameters())  # tied weights once
+        assert sum(c.cost for c in costs.nodes.values()) == total
+
+
+def test_a_callable_cost_is_used_as_given() -> None:
+    _, t = traced("bn_dropout_buffers")
+    gm = t.graph_module
+    seen: list[fx.Node] = []
+
+    def cost(node: fx.Node) -> float:
+        seen.append(node)
+        return 1.5 + len(node.name) + 10.0 * node.op.startswith("call_module")
+
+    costs = estimate_costs(gm, t.example_values, mode=cost)
+    assert costs.mode == "custom"
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    assert {id(n) for n in seen} == {id(n) for n in nodes}  # the graph's own nodes
+    for node in nodes:
+        assert costs.nodes[node.name].cost == cost(node), node.name
+    real = real_outputs(gm, t.example_values)  # bytes are still the real sizes
+    for node in nodes:
+        if isinstance(real[node.name], torch.Tensor):
+            assert costs.nodes[node.name].output_bytes == nbytes(real[node.name])
+
+
+def test_time_mode_is_positive_and_leaves_grads_buffers_and_rng_alone() -> None:
+    case = ZOO["bn_dropout_buffers"]  # BatchNorm, dropout, a buffer, in-place ops
+    model = case.build().train()
+    args, kwargs = case.example(case.batch)
+    t = trace(model, args, kwargs, tracer="fx")
+    gm = t.graph_module
+    code = gm.code
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    params = [(p, p.detach().clone()) for p in model.parameters()]
+    torch.manual_seed(321)
+    rng = torch.get_rng_state()
+    costs = estimate_costs(gm, t.example_values, mode="time", repeats=1)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert costs.mode == "time"
+    assert all(p.grad is None for p, _ in params)
+    assert all(torch.equal(p, v) for p, v in params)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    assert model.training and gm.code == code
+    assert list(costs.nodes) == [n.name for n in gm.graph.nodes]
+    for node in gm.graph.nodes:
+        if node.op not in NAMING_OPS:
+            assert costs.nodes[node.name].cost > 0, node.name
+
+
+@pytest.mark.parametrize("mode", ["bogus", "FLOPS", "", "seconds"])
+def test_unknown_mode_is_a_config_error(mode: str) -> None:
+    _, t = traced("mlp_residual")
+    with pytest.raises(ConfigError) as info:
+        estimate_costs(t.graph_module, t.example_values, mode=mode)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FxPipeError)
+    assert repr(mode) in str(info.value)

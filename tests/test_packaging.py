@@ -1,0 +1,149 @@
+"""Packaging: ``passes/`` is importable only as ``fxpipe.passes``; module docstrings; layering."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSES = ROOT / "passes"
+SOURCES = sorted((ROOT / "fxpipe").rglob("*.py")) + sorted(PASSES.glob("*.py"))
+PASS_MODULES = sorted(p.stem for p in PASSES.glob("*.py") if p.stem != "__init__")
+FORBIDDEN_IN_PASSES = ("fxpipe.runtime", "fxpipe.api", "fxpipe.pipeline")
+
+RUN_EVERY_PASS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch import nn
+    from fxpipe.tracing import trace
+    from fxpipe.passes.cost_model import estimate_costs
+    from fxpipe.passes.nx_graph import to_networkx
+    from fxpipe.passes.units import build_units
+    from fxpipe.passes.partition import partition_graph
+    from fxpipe.passes.plan import build_plan
+    from fxpipe.passes.split_stages import split_stages, run_stages
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    t = trace(model, (torch.randn(3, 4),))
+    costs = estimate_costs(t.graph_module, t.example_values, mode="flops")
+    g = to_networkx(t.graph_module, costs)
+    build_units(g)
+    part = partition_graph(g, 2)
+    plan = build_plan(t.graph_module, costs, g, part, [torch.device("cpu")] * 2, chunks=2)
+    for mode in ("direct", "relay"):
+        run_stages(split_stages(plan, t.output_spec, mode=mode), t.example_values)
+    """
+)
+
+
+def _loaded_from_passes() -> list[str]:
+    """Names of loaded modules whose file is in ``passes/``."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).resolve().parent == PASSES:
+            out.append(name)
+    return sorted(out)
+
+
+def test_passes_import_as_fxpipe_passes() -> None:
+    partition = importlib.import_module("fxpipe.passes.partition")
+    assert partition.__name__ == "fxpipe.passes.partition"
+    assert callable(partition.partition_graph)
+    package = Path(importlib.import_module("fxpipe.passes").__file__).resolve().parent
+    for stem in PASS_MODULES:
+        module = importlib.import_module(f"fxpipe.passes.{stem}")
+        assert module.__name__ == f"fxpipe.passes.{stem}"
+        assert Path(module.__file__).resolve() == package / f"{stem}.py"
+
+
+def test_no_module_named_passes_after_running_every_pass() -> None:
+    exec(compile(RUN_EVERY_PASS, "<every pass>", "exec"), {})
+    assert "passes" not in sys.modules
+    assert not [n for n in sys.modules if n.startswith("passes.")]
+    assert all(n.startswith("fxpipe.passes") for n in _loaded_from_passes())
+
+
+def test_no_module_named_passes_in_a_fresh_interpreter() -> None:
+    check = RUN_EVERY_PASS + textwrap.dedent(
+        f"""
+        from pathlib import Path
+        folder = Path({str(PASSES)!r})
+        stray = [n for n, m in list(sys.modules.items())
+                 if n == "passes" or n.startswith("passes.")
+                 or (getattr(m, "__file__", None) and Path(m.__file__).resolve().parent == folder
+                     and not n.startswith("fxpipe.passes"))]
+        print(sorted(stray))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_opens_with_a_docstring(path: Path) -> None:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    assert tree.body, f"{path.name} is empty"
+    first = tree.body[0]
+    assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    assert isinstance(first.value.value, str) and first.value.value.strip()
+
+
+def _imported_modules(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: relative import"
+            assert node.module is not None
+            names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(PASSES.glob("*.py")), ids=lambda p: p.name)
+def test_passes_never_import_the_runtime_or_the_api(path: Path) -> None:
+    for name in _imported_modules(path):
+        for banned in FORBIDDEN_IN_PASSES:
+            assert name != banned and not name.startswith(banned + "."), f"{path.name}: {name}"
+        top = name.split(".")[0]
+        assert top != "passes", f"{path.name} imports the bare name {name}"
+        allowed_fxpipe = ("fxpipe.ir", "fxpipe.errors", "fxpipe.passes")
+        if top == "fxpipe":
+            assert name.startswith(allowed_fxpipe), f"{path.name}: {name}"
+        else:
+            assert top in sys.stdlib_module_names or top in {"torch", "networkx", "numpy"}, (
+                f"{path.name}: {name}"
+            )
+
+
+def test_the_ast_check_sees_a_banned_import(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        '"""x"""\nfrom fxpipe.runtime.worker import Worker\nimport fxpipe.api\n'
+        "def f():\n    from fxpipe.pipeline import Pipeline\n"
+    )
+    assert {"fxpipe.runtime.worker", "fxpipe.api", "fxpipe.pipeline"} <= set(
+        _imported_modules(sample)
+    )
+
+
+def test_import_fxpipe_exposes_the_public_api() -> None:
+    import fxpipe
+
+    assert fxpipe.__file__ is not None
+    assert callable(fxpipe.pipeline) and callable(fxpipe.plan)
+    assert isinstance(fxpipe.Pipeline, type) and isinstance(fxpipe.PipelinePlan, type)
+    assert issubclass(fxpipe.FxPipeError, Exception)
+    assert "passes" not in sys.modules
