@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.errors import ConfigError
 from fxpipe.ir import CostTable, NodeCost
+from fxpipe.passes.ops import VIEW_OPS, op_name
 
 __all__ = ["estimate_costs", "COST_MODES", "DEFAULT_INTENSITY"]
 
@@ -39,11 +40,6 @@ COST_MODES = ("time", "flops", "params")
 #: FLOP a device does in the time it moves one byte (machine balance), per device type.
 DEFAULT_INTENSITY = {"cpu": 10.0, "cuda": 100.0, "meta": 10.0}
 
-_VIEW_OPS = frozenset(
-    "view reshape flatten unflatten permute transpose t unsqueeze squeeze expand expand_as "
-    "view_as getitem size dim chunk split unbind narrow select slice alias detach "
-    "_unsafe_view sym_size numel getattr split_with_sizes movedim as_strided".split()
-)
 _HEAVY_ELEMENTWISE = {  # FLOP per output element, forward
     "layer_norm": 8,
     "batch_norm": 8,
@@ -155,8 +151,8 @@ class _Pricer(fx.Interpreter):
         return out, self._flops(n, out, counter.get_total_flops())
 
     def _flops(self, n: fx.Node, out: Any, counted: int) -> float:
-        name = _op_name(n)
-        if n.op == "get_attr" or name in _VIEW_OPS:
+        name = op_name(n)
+        if n.op == "get_attr" or name in VIEW_OPS:
             return 0.0
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         moved = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
@@ -202,7 +198,8 @@ def _describe(n: fx.Node, out: Any, cost: float, param_bytes: int) -> NodeCost:
     is_tensor = isinstance(out, torch.Tensor)
     out_bytes = _tensor_bytes(out)
     grad = any(t.requires_grad for t in _tensors(out))
-    saved = 0 if _op_name(n) in _VIEW_OPS or n.op in ("get_attr", "placeholder") else out_bytes
+    naming = n.op in ("get_attr", "placeholder", "output")
+    saved = 0 if naming or op_name(n) in VIEW_OPS else out_bytes
     return NodeCost(
         cost=max(0.0, float(cost)),
         output_bytes=out_bytes,
@@ -211,15 +208,6 @@ def _describe(n: fx.Node, out: Any, cost: float, param_bytes: int) -> NodeCost:
         requires_grad=grad,
         saved_bytes=saved if grad else 0,
     )
-
-
-def _op_name(n: fx.Node) -> str:
-    target = n.target
-    if isinstance(target, str):
-        return target.rsplit(".", 1)[-1] if n.op != "call_module" else "module"
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target._opname)
-    return str(getattr(target, "__name__", target))
 
 
 def _attention_flops(args: Sequence[Any]) -> int:

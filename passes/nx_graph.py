@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
 from fxpipe.ir import CostTable
+from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input
 
-__all__ = ["to_networkx", "mutated_input", "COMPUTE_OPS"]
-
-#: fx opcodes that do work; placeholders, get_attr and output only name values.
-COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
+__all__ = ["to_networkx", "COMPUTE_OPS"]
 
 
 def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
@@ -44,42 +41,43 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
 
 
 def _order_in_place_ops(gm: fx.GraphModule, g: nx.DiGraph) -> None:
-    """An op that modifies a value in place stays with that value's producer (its edge is
-    marked not-a-tensor, so no border separates them), and every other reader of the value
-    is ordered before or after it as in the fx graph, though no data edge says so."""
+    """An op that writes a value in place stays with that value and every view of it (their
+    edges are marked not-a-tensor, so no border separates them), and every other reader of
+    the value or of its views is ordered before or after the write as in the fx graph,
+    though no data edge says so."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    aliases = _alias_groups(gm)
     for node in gm.graph.nodes:
         target = mutated_input(gm, node)
         if target is None:
             continue
-        g.edges[target.name, node.name]["is_tensor"] = False
-        for reader in target.users:
-            if reader is node or reader.op == "output":
+        group = aliases[target]
+        for member in group:
+            for user in member.users:
+                if user in group or user is node:
+                    g.edges[member.name, user.name]["is_tensor"] = False
+        for reader in (u for m in group for u in m.users):
+            if reader is node or reader.op == "output" or reader in group:
                 continue
-            if position[reader] < position[node]:
-                g.add_edge(reader.name, node.name, bytes=0, is_tensor=True)
-            else:
-                g.add_edge(node.name, reader.name, bytes=0, is_tensor=True)
+            a, b = (reader, node) if position[reader] < position[node] else (node, reader)
+            if not g.has_edge(a.name, b.name):
+                g.add_edge(a.name, b.name, bytes=0, is_tensor=True)
 
 
-def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
-    """The input ``node`` modifies in place, if any (``x.relu_()``, ``inplace=True``,
-    mutable aten overloads)."""
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if first is None or node.op not in COMPUTE_OPS:
-        return None
-    if node.kwargs.get("inplace") is True:
-        return first
-    if node.op == "call_module":
-        return first if getattr(gm.get_submodule(str(node.target)), "inplace", False) else None
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        schema = target._schema.arguments
-        for arg, value in zip(schema, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                return value if isinstance(value, fx.Node) else None
-        return None
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name.endswith("_") and not name.startswith("_"):
-        return first
-    return None
+def _alias_groups(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:
+    """Each node -> the nodes that may share its memory (a base and all views of it)."""
+    parent = {n: n for n in gm.graph.nodes}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for node in gm.graph.nodes:
+        if is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            parent[find(node)] = find(node.args[0])
+    groups: dict[fx.Node, set[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        groups.setdefault(find(node), set()).add(node)
+    return {n: frozenset(groups[find(n)]) for n in gm.graph.nodes}

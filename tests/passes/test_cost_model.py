@@ -90,11 +90,6 @@ def test_every_node_gets_a_cost_and_real_output_bytes(case: Case) -> None:
     assert sum(costs.nodes[n.name].cost for n in compute) > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fxpipe/passes/cost_model.py _describe gives the output node saved_bytes equal to "
-    "the model output's bytes, which the producers already count (stage_memory double counts)",
-)
 def test_naming_nodes_save_nothing_for_backward() -> None:
     _, t = traced("mlp_residual")
     costs = estimate_costs(t.graph_module, t.example_values, mode="flops")

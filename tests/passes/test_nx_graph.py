@@ -176,12 +176,6 @@ class InPlaceWithOperand(nn.Module):
         return a + 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fxpipe/passes/nx_graph.py _order_in_place_ops adds its ordering edge with "
-    "g.add_edge(reader, node, bytes=0, ...), overwriting the bytes of the existing data edge "
-    "when the earlier reader is also an operand of the in-place op",
-)
 def test_ordering_edges_keep_the_bytes_of_data_edges() -> None:
     gm, costs = priced_model(InPlaceWithOperand(), torch.randn(4, 8))
     g = to_networkx(gm, costs)
