@@ -80,6 +80,8 @@ def min_bytes_split(
     n = len(w)
     s = np.concatenate([[0.0], np.cumsum(w)])
     first_cut = max(first_cut, 1)
+    # Stage costs are differences of prefix sums; forgive their rounding, not more.
+    cap = cap + 8 * np.finfo(np.float64).eps * max(float(s[n]), abs(cap), 1e-300)
     if num_stages == 1:
         return (0.0, []) if s[n] <= cap else (_INF, [])
     g = np.where((np.arange(n + 1) >= first_cut) & (s <= cap), 0.0, _INF)

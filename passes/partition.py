@@ -58,9 +58,14 @@ class _Value:
     """A value read by other units: where it is made and where it is read."""
 
     bytes: int
-    producer: int  # unit id, or -1 for a model input (always in stage 0)
+    #: unit id; MODEL_INPUT for a placeholder (always in stage 0); FIRST_READER for a
+    #: get_attr value, which lives in the first stage that reads it.
+    producer: int
     readers: tuple[int, ...]
     to_output: bool
+
+
+MODEL_INPUT, FIRST_READER = -1, -2
 
 
 def partition_graph(
@@ -93,8 +98,7 @@ def partition_graph(
 def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
     if num_stages < 1:
         raise PlanError(f"num_stages={num_stages} must be at least 1")
-    first = max(units.pinned_first, default=-1) + 1
-    cuts = units.num_units - max(first, 1)
+    cuts = units.num_units - max(len(units.pinned_first), 1)  # pinned units open stage 0
     if cuts >= num_stages - 1:
         return
     compute = sum(1 for _, op in g.nodes(data="op") if op != "placeholder")
@@ -112,15 +116,16 @@ def _values(g: nx.DiGraph, units: Units) -> list[_Value]:
         readers = [units.unit_of[v] for v in g.successors(n) if v in units.unit_of]
         to_output = any(g.nodes[v]["op"] == "output" for v in g.successors(n))
         if data["op"] == "placeholder":
-            producer = -1
+            producer = MODEL_INPUT
         elif data["op"] == "get_attr":
-            producer = min(readers, default=-1)
+            producer = FIRST_READER
         elif n in units.unit_of:
             producer = units.unit_of[n]
         else:
             continue
         readers = sorted({r for r in readers if r != producer})
-        if readers or to_output:
+        lone_attr = producer == FIRST_READER and len(readers) < 2
+        if (readers or to_output) and not lone_attr:
             out.append(_Value(int(data["bytes"]), producer, tuple(readers), to_output))
     return out
 
@@ -144,7 +149,12 @@ def _split_on_ideals(
 def _bytes_leaving(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
     leaving = np.zeros(len(ideals))
     for v in values:
-        made = np.ones(len(ideals), dtype=bool) if v.producer < 0 else ideals[:, v.producer]
+        if v.producer == MODEL_INPUT:
+            made = np.ones(len(ideals), dtype=bool)
+        elif v.producer == FIRST_READER:
+            made = ideals[:, list(v.readers)].any(axis=1)
+        else:
+            made = ideals[:, v.producer]
         read_outside = ~ideals[:, list(v.readers)].all(axis=1) if v.readers else False
         leaving += v.bytes * (made & (read_outside | v.to_output))
     return leaving
@@ -269,7 +279,12 @@ def _cut_bytes(order: list[int], values: list[_Value]) -> np.ndarray:
     position[np.array(order)] = np.arange(num)
     diff = np.zeros(num + 2)
     for v in values:
-        start = -1 if v.producer < 0 else int(position[v.producer])
+        if v.producer == MODEL_INPUT:
+            start = -1
+        elif v.producer == FIRST_READER:
+            start = min(int(position[r]) for r in v.readers)
+        else:
+            start = int(position[v.producer])
         last = num if v.to_output else max(int(position[r]) for r in v.readers)
         diff[start + 1] += v.bytes
         diff[last + 1] -= v.bytes

@@ -118,12 +118,6 @@ def test_min_bytes_split_equals_brute_force(seed: int) -> None:
             assert float(sum(cut[c] for c in borders)) == value
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fxpipe/passes/dp.py _min_bytes_step finds the window by "
-    "searchsorted(s, s[t] - cap): in floating point s[t] - cap can exceed s[c] although "
-    "s[t] - s[c] <= cap, so a cap equal to min_max_split's own value is called infeasible",
-)
 def test_min_bytes_split_accepts_the_min_max_value_as_cap() -> None:
     w = np.array([0.3, 0.7])
     best, borders = min_max_split(w, 2)

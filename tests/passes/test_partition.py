@@ -373,12 +373,6 @@ def test_more_stages_than_any_valid_split_is_a_plan_error() -> None:
         assert {part.stage_of[n] for n in compute_nodes(g)} == set(range(k))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fxpipe/passes/partition.py _check_enough_units takes every unit numbered before "
-    "the last pinned one as stuck in stage 0 (first = max(pinned_first) + 1), so a dict input "
-    "read late in fx order caps the stage count at 3 where 6 stages are valid",
-)
 def test_every_stage_count_with_a_valid_split_is_accepted() -> None:
     g = late_dict_input_graph()
     most = max(k for k in range(1, 7) if _pinned_splits(g, k))
@@ -388,12 +382,6 @@ def test_every_stage_count_with_a_valid_split_is_accepted() -> None:
     assert {part.stage_of[n] for n in compute_nodes(g)} == set(range(most))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fxpipe/passes/partition.py _values makes a get_attr value's producer the reader "
-    "with the lowest unit id, which need not be in the earliest stage when readers are on "
-    "parallel branches: its crossing is not counted and a split sending more bytes wins",
-)
 def test_border_bytes_count_a_get_attr_read_on_parallel_branches() -> None:
     f = "call_function"
     g = _graph(
