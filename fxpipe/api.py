@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten_with_path
 
-from fxpipe.binding import describe_path
+from fxpipe.binding import argument_name
 from fxpipe.devices import device_capacity, normalize_devices, parse_device
 from fxpipe.errors import ConfigError, InputError
 from fxpipe.ir import PipelinePlan, StageProgram
@@ -137,7 +138,7 @@ def compile_model(
         raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
     targets = normalize_devices(devices, require_present=require_present)
     args = _example_args(example_input)
-    batch = _example_batch(args, example_kwargs or {})
+    batch = _example_batch(inspect.signature(model.forward), args, example_kwargs or {})
     traced = trace(model, args, example_kwargs, tracer=tracer)
     mode_name = _cost_mode(cost, traced.graph_module, targets, model)
     costs = estimate_costs(
@@ -199,11 +200,15 @@ def _example_args(example_input: Any) -> tuple[Any, ...]:
     return (example_input,)
 
 
-def _example_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+def _example_batch(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> int:
     """The batch size every tensor of the example shares on dim 0; InputError otherwise."""
     flat, _ = tree_flatten_with_path((args, dict(kwargs)))
     sizes = [
-        (describe_path(path), tuple(t.shape)) for path, t in flat if isinstance(t, torch.Tensor)
+        (argument_name(signature, path), tuple(t.shape))
+        for path, t in flat
+        if isinstance(t, torch.Tensor)
     ]
     if not sizes:
         raise InputError("the example has no tensor; pass at least one batched tensor input")

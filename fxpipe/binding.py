@@ -12,7 +12,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path
 
 from fxpipe.errors import InputError
 
-__all__ = ["InputBinder", "bind_arguments", "describe_path"]
+__all__ = ["InputBinder", "bind_arguments", "describe_path", "argument_name"]
 
 
 def bind_arguments(
@@ -47,11 +47,30 @@ class _Leaf:
     dtype: torch.dtype | None = None
 
 
-def _example_leaves(bound: inspect.BoundArguments) -> tuple[list[_Leaf], TreeSpec]:
+def argument_name(signature: inspect.Signature, path: Sequence[Any]) -> str:
+    """The name a user knows a leaf of ``(bound.args, bound.kwargs)`` by: ``mask``,
+    ``inputs[1]``, ``batch['x']``."""
+    if len(path) < 2:
+        return describe_path(path)
+    group, key, rest = path[0], path[1], describe_path(path[2:])
+    if getattr(group, "idx", None) == 1:
+        return f"{getattr(key, 'key', key)}{rest}"
+    index = int(getattr(key, "idx", 0))
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if index < len(positional):
+        return f"{positional[index].name}{rest}"
+    var = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
+    return f"{var}[{index - len(positional)}]{rest}"
+
+
+def _example_leaves(
+    signature: inspect.Signature, bound: inspect.BoundArguments
+) -> tuple[list[_Leaf], TreeSpec]:
     flat, spec = tree_flatten_with_path((bound.args, bound.kwargs))
     leaves = []
     for path, value in flat:
-        where = describe_path(path)
+        where = argument_name(signature, path)
         if isinstance(value, torch.Tensor):
             leaves.append(
                 _Leaf(where, True, None, value.ndim, tuple(value.shape[1:]), value.dtype)
@@ -88,7 +107,7 @@ class InputBinder:
         targets: Sequence[Any],
         shape_specialized: bool,
     ) -> InputBinder:
-        leaves, spec = _example_leaves(bound)
+        leaves, spec = _example_leaves(signature, bound)
         return cls(signature, spec, tuple(leaves), kind, tuple(targets), shape_specialized)
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -82,11 +82,22 @@ class _Tracer(fx.Tracer):
     def __init__(self, shared_owners: frozenset[str]) -> None:
         super().__init__()
         self.shared_owners = shared_owners
+        #: How often each leaf module was called; one called twice is traced through next
+        #: time, so that its parameters become get_attr values like tied ones.
+        self.leaf_calls: dict[str, int] = {}
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.shared_owners:
             return False
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        path = self.path_of_module(m)
+        if self.is_leaf_module(m, path) and any(True for _ in m.parameters()):
+            self.leaf_calls[path] = self.leaf_calls.get(path, 0) + 1
+        return super().call_module(m, forward, args, kwargs)
 
 
 def _shared_parameter_owners(model: nn.Module) -> frozenset[str]:
@@ -103,6 +114,11 @@ def _trace_fx(
     concrete = {k: v for k, v in bound.arguments.items() if not _holds_tensor(v)}
     tracer = _Tracer(_shared_parameter_owners(model))
     graph = tracer.trace(model, concrete_args=concrete or None)
+    reused = frozenset(p for p, n in tracer.leaf_calls.items() if n > 1)
+    if reused:  # a leaf called twice would put its parameters in two stages
+        tracer = _Tracer(tracer.shared_owners | reused)
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    _plain_placeholders(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, set(concrete))
     _merge_aliased_attributes(gm)
@@ -152,6 +168,15 @@ def _holds_tensor(value: Any) -> bool:
 
 def _is_batched(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim > 0
+
+
+def _plain_placeholders(graph: fx.Graph) -> None:
+    """fx names the placeholders of ``*args`` and ``**kwargs`` with their stars, making the
+    generated forward variadic; every placeholder here takes one value (a tuple or a dict
+    for those), so the stars go."""
+    for node in graph.nodes:
+        if node.op == "placeholder" and str(node.target).startswith("*"):
+            node.target = str(node.target).lstrip("*")
 
 
 def _drop_concrete_placeholders(gm: fx.GraphModule, names: set[str]) -> None:

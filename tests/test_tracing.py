@@ -202,16 +202,7 @@ def test_constant_arguments_are_traced_in(tracer: str) -> None:
         ("scale", (3,), {"scale": 1.0, "mode": "sub"}),
         ("mode", (3,), {"scale": 2.0, "mode": "add"}),
         ("mask", (3,), {"scale": 2.0, "mode": "sub", "mask": None}),
-        pytest.param(
-            "num_steps",
-            (2,),
-            {"scale": 2.0, "mode": "sub"},
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="fxpipe/binding.py _example_leaves names a positional-or-keyword "
-                "argument by its pytree path ('argument [0][1]'), not its name",
-            ),
-        ),
+        ("num_steps", (2,), {"scale": 2.0, "mode": "sub"}),
     ],
 )
 def test_a_changed_constant_raises_input_error_naming_it(
@@ -369,17 +360,10 @@ class VarPositional(nn.Module):
         return self.lin(inputs[0]) + inputs[1]
 
 
-VARIADIC_FX_BUG = pytest.mark.xfail(
+VARIADIC_EXPORT_LIMIT = pytest.mark.xfail(
     strict=True,
-    reason="fxpipe/tracing.py _trace_fx: the GraphModule keeps fx's generated "
-    "forward(self, *args, **kwargs) while the binder gives one value per placeholder, passed "
-    "positionally (the tuple or dict lands in the wrong parameter); 'auto' does not fall back "
-    "to export because the fx trace itself succeeds",
-)
-VARIADIC_EXPORT_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="fxpipe/tracing.py _trace_export: dynamic_shapes keyed by the **kwargs parameter "
-    "name does not match what torch.export expects ('Must provide a tree_name')",
+    reason="torch.export rejects every dynamic_shapes spec for a **kwargs forward ('Must "
+    "provide a tree_name'), and without one the batch size is fixed; fx traces it",
 )
 
 
@@ -387,10 +371,8 @@ def variadic_params() -> list[Any]:
     out = []
     for model_type in (VarKeyword, VarPositional):
         for tracer in ("auto", "fx", "export"):
-            if tracer != "export":
-                marks = [VARIADIC_FX_BUG]
-            else:
-                marks = [VARIADIC_EXPORT_BUG] if model_type is VarKeyword else []
+            limited = tracer == "export" and model_type is VarKeyword
+            marks = [VARIADIC_EXPORT_LIMIT] if limited else []
             name = f"{model_type.__name__}-{tracer}"
             out.append(pytest.param(model_type, tracer, id=name, marks=marks))
     return out

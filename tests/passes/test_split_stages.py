@@ -149,22 +149,9 @@ def boundary_params(prog: StageProgram, gm: fx.GraphModule, j: int) -> set[int]:
     return out
 
 
-def _shared_module_bug(case: Case) -> list[Any]:
-    if "shared" not in case.tags:
-        return []
-    return [
-        pytest.mark.xfail(
-            strict=True,
-            reason="fxpipe/tracing.py keeps a module called at two places of the graph as "
-            "two call_module leaves (_shared_parameter_owners only looks for a parameter "
-            "owned under two paths), so two stages hold the same Parameter objects",
-        )
-    ]
-
-
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, id=c.name, marks=_shared_module_bug(c)) for c in ALL],
+    [pytest.param(c, id=c.name) for c in ALL],
 )
 def test_stages_share_the_users_parameters_once(case: Case) -> None:
     model, t, _, _ = traced(case.name)
