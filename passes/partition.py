@@ -17,6 +17,7 @@ the output node to the last stage.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,25 +230,41 @@ def refine(units: Units, unit_stage: np.ndarray, k: int, max_moves: int = 200) -
 def candidate_orders(units: Units) -> dict[str, list[int]]:
     """Topological orders of the unit DAG worth splitting, pinned units first in each."""
     dag = units.dag
-    depth: dict[int, int] = {}
-    for u in nx.topological_sort(dag):
-        depth[u] = max((depth[p] + 1 for p in dag.predecessors(u)), default=0)
-    pinned = units.pinned_first
-    first = {u: (0 if u in pinned else 1) for u in dag}
+    num = dag.number_of_nodes()
+    succs = [list(dag.successors(u)) for u in range(num)]
+    preds = [list(dag.predecessors(u)) for u in range(num)]
+    depth = [0] * num
+    for u in range(num):  # unit ids are a topological order
+        depth[u] = max((depth[p] + 1 for p in preds[u]), default=0)
+    first = [0 if u in units.pinned_first else 1 for u in range(num)]
     orders = {
-        "fx": list(nx.lexicographical_topological_sort(dag, key=lambda u: (first[u], u))),
-        "breadth": list(
-            nx.lexicographical_topological_sort(dag, key=lambda u: (first[u], depth[u], u))
-        ),
-        "depth": _depth_first_order(dag, first),
+        "fx": _priority_order(succs, preds, [(first[u], u) for u in range(num)]),
+        "breadth": _priority_order(succs, preds, [(first[u], depth[u], u) for u in range(num)]),
+        "depth": _depth_first_order(dag, dict(enumerate(first))),
     }
-    if dag.number_of_nodes() <= RANDOM_ORDERS_MAX_UNITS:
+    if num <= RANDOM_ORDERS_MAX_UNITS:
         for seed in range(RANDOM_ORDERS):
-            keys = np.random.default_rng(seed).random(dag.number_of_nodes())
-            orders[f"random{seed}"] = list(
-                nx.lexicographical_topological_sort(dag, key=lambda u: (first[u], keys[u]))
+            keys = np.random.default_rng(seed).random(num)
+            orders[f"random{seed}"] = _priority_order(
+                succs, preds, [(first[u], float(keys[u])) for u in range(num)]
             )
     return orders
+
+
+def _priority_order(succs: list[list[int]], preds: list[list[int]], keys: list[Any]) -> list[int]:
+    """The topological order that always takes the ready unit with the smallest key."""
+    waiting = [len(p) for p in preds]
+    ready = [(keys[u], u) for u in range(len(keys)) if not waiting[u]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in succs[u]:
+            waiting[v] -= 1
+            if not waiting[v]:
+                heapq.heappush(ready, (keys[v], v))
+    return order
 
 
 def _depth_first_order(dag: nx.DiGraph, first: dict[int, int]) -> list[int]:

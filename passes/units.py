@@ -48,6 +48,8 @@ def build_units(g: nx.DiGraph) -> Units:
         if not tensor and u in parent and v in parent:
             _union(parent, u, v)
     group = {n: _find(parent, n) for n in compute}
+    if all(group[n] == n for n in compute):  # nothing merged: the fx order is topological
+        return _singletons(g, compute)
     quotient = nx.DiGraph()
     quotient.add_nodes_from(set(group.values()))
     for u, v in g.edges():
@@ -62,6 +64,16 @@ def build_units(g: nx.DiGraph) -> Units:
     renumber = {s: k for k, s in enumerate(_stable_topo(condensed, order))}
     unit_of = {n: renumber[scc_of[group[n]]] for n in compute}
     return _assemble(g, compute, unit_of, renumber, condensed)
+
+
+def _singletons(g: nx.DiGraph, compute: list[str]) -> Units:
+    unit_of = {n: k for k, n in enumerate(compute)}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(compute)))
+    dag.add_edges_from(
+        (unit_of[u], unit_of[v]) for u, v in g.edges() if u in unit_of and v in unit_of
+    )
+    return _assemble(g, compute, unit_of, {k: k for k in range(len(compute))}, dag)
 
 
 def _assemble(
