@@ -1,0 +1,35 @@
+"""Runs an fxpipe plan on ``torch.distributed.pipelining``, one process per stage (or stages).
+
+Every rank calls :func:`pipeline_schedule` with the same model and example. Each rank traces
+and plans the model the same way (deterministic costs), checks with one collective that all
+ranks agree, builds torch ``PipelineStage`` objects for its own stages from the relay-mode
+stage program (a skip connection passes through every stage in between, since torch only
+connects neighbouring stages), and releases every other stage's parameters and buffers to
+the ``meta`` device. The schedule is then used the torch way::
+
+    pipe = pipeline_schedule(model, x, schedule="1f1b", n_microbatches=8, loss_fn=loss_fn)
+    losses = []
+    if pipe.is_first:
+        pipe.schedule.step(x, target=y if pipe.is_last else None, losses=losses)
+    elif pipe.is_last:
+        pipe.schedule.step(target=y, losses=losses)
+    else:
+        pipe.schedule.step()
+    pipe.sync_tied_gradients()      # a no-op unless a module runs in stages of two ranks
+    optimizer.step()                # optimizer over pipe.parameters()
+
+Modules:
+
+- ``build``: :func:`pipeline_schedule`: option checks (before any communication), planning,
+  activation shapes, the agreement check.
+- ``runner``: :class:`DistributedPipeline`: the stages, the torch schedule, gradients of
+  shared parameters, state-dict shards.
+- ``ownership``: which of the model's tensors a rank keeps; releasing and materialising
+  them; :func:`merge_state_dicts`.
+"""
+
+from fxpipe.distributed.build import SCHEDULES, pipeline_schedule
+from fxpipe.distributed.ownership import merge_state_dicts
+from fxpipe.distributed.runner import DistributedPipeline
+
+__all__ = ["pipeline_schedule", "DistributedPipeline", "merge_state_dicts", "SCHEDULES"]

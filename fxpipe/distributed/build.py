@@ -1,0 +1,306 @@
+"""``pipeline_schedule``: checks the options, plans the model, fixes the activation shapes and
+checks that every rank planned alike, then hands over to :class:`DistributedPipeline`.
+
+Activation shapes are fixed from the example, as torch's static stage metadata: the example
+is one step's full batch, split into ``n_microbatches`` equal micro-batches, and the stage
+program runs once on fake tensors of one micro-batch (no memory, no device time) to give
+each stage's input and output shapes. No stage runs on real data before the first step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxpipe.api import compile_model
+from fxpipe.devices import parse_device
+from fxpipe.distributed.runner import DistributedPipeline, Metas
+from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
+from fxpipe.ir import PipelinePlan, StageProgram
+
+__all__ = ["pipeline_schedule", "SCHEDULES"]
+
+#: Schedule names accepted (case-insensitive), spelled as torch's ``get_schedule_class`` does.
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+_V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})  # rank r holds stages r and 2W - 1 - r
+_INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
+_COSTS = ("flops", "params", "auto")
+_Spec = tuple[tuple[int, ...], torch.dtype, bool]
+
+
+def pipeline_schedule(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    n_microbatches: int,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    schedule: str = "gpipe",
+    example_kwargs: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: Any = None,
+    stages_per_rank: int = 1,
+    num_stages: int | None = None,
+    cost: str | Callable[[fx.Node], float] = "flops",
+    tracer: str = "auto",
+    scale_grads: bool = False,
+    slack: float = 0.0,
+) -> DistributedPipeline:
+    """Plan ``model`` into ``world_size * stages_per_rank`` stages; build this rank's part.
+
+    Call it on every rank of ``group`` (default: the world) with the same arguments.
+    ``example_input`` is one step's batch (a tensor or a tuple of positional arguments;
+    keyword arguments in ``example_kwargs``) and must split into ``n_microbatches`` equal
+    micro-batches; every ``step`` then gets batches of that size. ``loss_fn(output,
+    target)`` sees each micro-batch's output in the model's own structure; ``scale_grads``
+    is torch's (False: gradients are the sums over micro-batches, right for a sum-reduced
+    loss; True: divided by ``n_microbatches``, right for a mean-reduced one). Rank ``r``
+    holds stages ``r, r + W, ...`` (``r`` and ``2W - 1 - r`` for V-shaped schedules).
+    ``device`` defaults to the current CUDA device under NCCL, else the CPU. ``num_stages``,
+    when given, must equal ``world_size * stages_per_rank``. A model built on the ``meta``
+    device is planned as it is; its rank's stages are then materialised (uninitialised)
+    for :meth:`DistributedPipeline.load_stage_state_dict`.
+
+    Every option is checked on every rank before any communication; the one collective
+    here then checks that all ranks made the same plan.
+    """
+    kind = _check_options(schedule, n_microbatches, stages_per_rank, cost, scale_grads)
+    world = dist.get_world_size(group)
+    total = world * stages_per_rank
+    if num_stages is not None and num_stages != total:
+        raise ConfigError(
+            f"num_stages={num_stages} but the group has {world} rank(s) x stages_per_rank="
+            f"{stages_per_rank} = {total} stages; launch num_stages / stages_per_rank "
+            "processes (torchrun --nproc-per-node) or set stages_per_rank so that "
+            "world_size * stages_per_rank == num_stages"
+        )
+    target = _default_device(group) if device is None else parse_device(device)
+    args = example_input if isinstance(example_input, tuple) else (example_input,)
+    kwargs = dict(example_kwargs or {})
+    if _model_device(model).type == "meta":
+        args, kwargs = _to_meta((args, kwargs))
+    mb_args, mb_kwargs = _first_microbatch(args, kwargs, n_microbatches)
+    compiled = compile_model(
+        model,
+        args,
+        [target] * total,
+        cost="flops" if cost == "auto" else cost,
+        tracer=tracer,
+        example_kwargs=kwargs,
+        chunks=n_microbatches,
+        slack=slack,
+        mode="relay",
+        require_present=False,
+    )
+    plan, program = compiled.plan, compiled.program
+    if plan.num_stages != total:
+        raise PlanError(
+            f"the plan has {plan.num_stages} stages but {total} were asked for; use fewer "
+            "processes or a smaller stages_per_rank"
+        )
+    values = compiled.traced.binder.bind(mb_args, mb_kwargs)
+    metas = _stage_metas(model, program, values)
+    metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
+    config = (kind, n_microbatches, stages_per_rank, scale_grads, _shapes(values))
+    _check_agreement(plan, program, config, group, target)
+    return DistributedPipeline(
+        model,
+        plan,
+        program,
+        compiled.traced.binder,
+        metas,
+        _stage_ranks(world, total, v_shaped=kind in _V_SHAPED),
+        group,
+        target,
+        kind=kind,
+        n_microbatches=n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=scale_grads,
+    )
+
+
+def _check_options(
+    schedule: str, n_microbatches: int, stages_per_rank: int, cost: Any, scale_grads: bool
+) -> str:
+    """The schedule's lower-case name, once every option that needs no peer is checked."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "torch.distributed is not initialised; call torch.distributed."
+            "init_process_group(backend='gloo' or 'nccl', ...) on every rank first (under "
+            "torchrun, init_process_group() reads the rank and world size it sets)"
+        )
+    kind = str(schedule).lower()
+    if kind not in {s.lower() for s in SCHEDULES}:
+        raise ConfigError(f"schedule={schedule!r} is not one of {SCHEDULES}; pick one of them")
+    for name, value in (("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
+    if issubclass(get_schedule_class(kind), PipelineScheduleSingle) and stages_per_rank != 1:
+        raise ConfigError(
+            f"schedule={schedule!r} runs one stage per rank but stages_per_rank="
+            f"{stages_per_rank}; pass stages_per_rank=1, or use a schedule for several "
+            "stages per rank such as 'interleaved1f1b'"
+        )
+    if kind in _INTERLEAVED and stages_per_rank < 2:
+        raise ConfigError(
+            f"schedule={schedule!r} interleaves several stages per rank but stages_per_rank="
+            f"{stages_per_rank}; pass stages_per_rank=2 (or more), or use 'gpipe' or '1f1b'"
+        )
+    if kind in _V_SHAPED and stages_per_rank != 2:
+        raise ConfigError(
+            f"schedule={schedule!r} places two stages per rank in a V; pass stages_per_rank=2"
+        )
+    if not callable(cost) and cost not in _COSTS:
+        raise ConfigError(
+            f"cost={cost!r} cannot be used across processes: every rank must plan alike and "
+            f"'time' profiles each rank differently; pick one of {_COSTS} or a callable"
+        )
+    if not isinstance(scale_grads, bool):
+        raise ConfigError(f"scale_grads={scale_grads!r} must be True or False")
+    return kind
+
+
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _to_meta(value: Any) -> Any:
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _first_microbatch(
+    args: tuple[Any, ...], kwargs: dict[str, Any], n: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example's first micro-batch; all micro-batches must have the same shape."""
+    tensors = _tensors((args, kwargs))
+    batch = tensors[0].shape[0] if tensors and tensors[0].ndim else 0
+    if batch == 0 or batch % n:
+        raise InputError(
+            f"the example batch ({batch} rows) does not split into n_microbatches={n} equal "
+            "micro-batches; pass one step's full batch as example_input, a multiple of "
+            "n_microbatches (torch.distributed.pipelining needs fixed shapes)"
+        )
+    mb_args, mb_kwargs = split_args_kwargs_into_chunks(args, kwargs, n)
+    return mb_args[0], mb_kwargs[0]
+
+
+def _spec(t: torch.Tensor) -> _Spec:
+    return tuple(t.shape), t.dtype, t.requires_grad
+
+
+def _meta(spec: _Spec) -> torch.Tensor:
+    shape, dtype, grad = spec
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return t.requires_grad_(grad) if t.is_floating_point() or t.is_complex() else t
+
+
+def _stage_metas(model: nn.Module, program: StageProgram, values: tuple[Any, ...]) -> list[Metas]:
+    """Meta tensors shaped like each stage's inputs and outputs for one micro-batch."""
+    saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+    specs = []
+    with torch.random.fork_rng(devices=[]):
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, torch.enable_grad():
+            fakes = tree_map(
+                lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, values
+            )
+            env = dict(zip(program.graph_inputs, fakes))
+            for j, module in enumerate(program.modules):
+                ins = [env[n] for n in program.inputs[j]]
+                outs = module(*ins)
+                env.update(zip(program.outputs[j], outs))
+                names_in, names_out = program.inputs[j], program.outputs[j]
+                specs.append((_specs(j, names_in, ins, j > 0), _specs(j, names_out, outs, True)))
+            del env, fakes, ins, outs
+    with torch.no_grad():
+        for b, value in saved:
+            b.copy_(value)
+    # Made outside the fake mode: a tensor made inside would keep the mode (and its weak
+    # references to the model's tensors) alive.
+    return [(tuple(map(_meta, a)), tuple(map(_meta, b))) for a, b in specs]
+
+
+def _specs(j: int, names: Iterable[str], values: Iterable[Any], strict: bool) -> list[_Spec]:
+    """Specs of the tensors among ``values``; with ``strict``, any other value is an error."""
+    out = []
+    for name, v in zip(names, values):
+        if isinstance(v, torch.Tensor):
+            out.append(_spec(v))
+        elif strict:
+            raise ConfigError(
+                f"value {name!r} at stage {j} is a {type(v).__name__}, not a tensor; "
+                "torch.distributed.pipelining passes only tensors between stages and to the "
+                "loss: pass tensors between the model's layers and return tensors"
+            )
+    return out
+
+
+def _shapes(values: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in _tensors(values))
+
+
+def _stage_ranks(world: int, total: int, *, v_shaped: bool) -> tuple[int, ...]:
+    """Group rank of every stage: looped (``j mod W``) or V-shaped (there and back)."""
+    out = []
+    for j in range(total):
+        lap, pos = divmod(j, world)
+        out.append(world - 1 - pos if v_shaped and lap % 2 else pos)
+    return tuple(out)
+
+
+def _check_agreement(
+    plan: PipelinePlan,
+    program: StageProgram,
+    config: Any,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> None:
+    """All-gather digests of the plan and of the options; FxPipeError on every rank when a
+    rank differs from rank 0."""
+    split = repr((sorted(plan.stage_of.items()), program.inputs, program.outputs))
+    comm = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([_digest(split), _digest(repr(config))], dtype=torch.int64, device=comm)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    for index, what in enumerate(("plan (stage of every node)", "options or example shapes")):
+        odd = [r for r, d in enumerate(everyone) if int(d[index]) != int(everyone[0][index])]
+        if odd:
+            raise FxPipeError(
+                f"rank(s) {odd} computed a different {what} than rank 0; call "
+                "pipeline_schedule on every rank with the same model (same construction and "
+                "seed), the same example and the same options, with a deterministic cost "
+                "('flops' or 'params')"
+            )
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)

@@ -1,0 +1,129 @@
+"""Which of the model's tensors a rank keeps, under which keys; releasing the others.
+
+A tensor belongs to every rank whose stage modules hold it. A parameter read by ``get_attr``
+in one stage and relayed to later ones (a tied weight, a module called at several depths)
+belongs to that stage's rank only; a tensor held by stage modules of two ranks belongs to
+both (its gradients are then summed by ``sync_tied_gradients``). Tensors no stage reads stay
+with stage 0's rank, so that the shards together hold the whole state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpipe.ir import StageProgram
+
+__all__ = ["Ownership", "merge_state_dicts"]
+
+
+def merge_state_dicts(shards: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One state dict from every rank's :meth:`DistributedPipeline.state_dict`, in any order.
+
+    It loads (strict) into the unpipelined model. A key held by several ranks is taken from
+    the first shard that has it; the copies are equal when ``sync_tied_gradients`` runs
+    before every optimizer step.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        for key, value in shard.items():
+            merged.setdefault(key, value)
+    return merged
+
+
+class Ownership:
+    """This rank's share of the model's parameters and buffers.
+
+    ``tensors``: model key -> tensor, for every key (tied names included) of the tensors
+    this rank keeps; ``persistent``: the keys of ``model.state_dict()``; ``replicated``:
+    ``(key, shape, tensor or None)`` for each Parameter held by several ranks, in the same
+    order on every rank; ``uninitialised``: keys materialised from ``meta`` and not loaded.
+    """
+
+    def __init__(
+        self, model: nn.Module, program: StageProgram, ranks: tuple[int, ...], rank: int
+    ) -> None:
+        keys: dict[int, list[str]] = {}
+        objects: dict[int, torch.Tensor] = {}
+        named = list(model.named_parameters(remove_duplicate=False))
+        for key, t in named + list(model.named_buffers(remove_duplicate=False)):
+            keys.setdefault(id(t), []).append(key)
+            objects[id(t)] = t
+        holders: dict[int, set[int]] = {}
+        for j, gm in enumerate(program.modules):
+            for t in list(gm.parameters()) + list(gm.buffers()):
+                holders.setdefault(id(t), set()).add(ranks[j])
+        owners = {i: holders.get(i, {ranks[0]}) for i in objects}
+        self.persistent = frozenset(model.state_dict().keys())
+        self.tensors = {k: objects[i] for i, ks in keys.items() if rank in owners[i] for k in ks}
+        self.released = [objects[i] for i in objects if rank not in owners[i]]
+        self.uninitialised: set[str] = set()
+        self.replicated: list[tuple[str, torch.Size, torch.Tensor | None]] = [
+            (ks[0], objects[i].shape, objects[i] if rank in owners[i] else None)
+            for i, ks in sorted(keys.items(), key=lambda item: item[1][0])
+            if isinstance(objects[i], nn.Parameter) and len(owners[i]) > 1
+        ]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Each kept Parameter once, under its first key."""
+        seen: dict[int, tuple[str, nn.Parameter]] = {}
+        for key, t in self.tensors.items():
+            if isinstance(t, nn.Parameter):
+                seen.setdefault(id(t), (key, t))
+        return list(seen.values())
+
+    def place(self, device: torch.device, roots: Iterable[nn.Module]) -> None:
+        """Release the other ranks' tensors to ``meta``; move (or materialise) this rank's.
+
+        Released and materialised tensors are new objects, put in place of the old ones in
+        every module under ``roots`` (the model, the traced graph, the stage modules).
+        """
+        new: dict[int, torch.Tensor] = {id(t): _like(t, "meta") for t in self.released}
+        for key, t in self.tensors.items():
+            if t.is_meta:
+                self.uninitialised.add(key)
+                new.setdefault(id(t), _like(t, device))
+            elif t.device != device:
+                t.data = t.data.to(device)
+        _replace(roots, new)
+        self.tensors = {k: new.get(id(t), t) for k, t in self.tensors.items()}
+        self.replicated = [
+            (k, s, None if t is None else new.get(id(t), t)) for k, s, t in self.replicated
+        ]
+        self.released.clear()
+
+    def load(self, full_state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+        """Copy the kept entries from a full state dict; returns the keys it lacks (and
+        copies nothing then)."""
+        missing = [k for k in self.tensors if k in self.persistent and k not in full_state_dict]
+        missing += [k for k in sorted(self.uninitialised) if k not in full_state_dict]
+        if missing:
+            return missing
+        with torch.no_grad():
+            for key, tensor in self.tensors.items():
+                if key in full_state_dict:
+                    tensor.copy_(full_state_dict[key])
+        self.uninitialised.clear()
+        return []
+
+
+def _like(t: torch.Tensor, device: Any) -> torch.Tensor:
+    empty = torch.empty_like(t, device=device)
+    return nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+
+
+def _replace(roots: Iterable[nn.Module], new: Mapping[int, torch.Tensor]) -> None:
+    """Put ``new[id(t)]`` in place of every parameter or buffer ``t`` of the modules."""
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is not None and id(t) in new:
+                        table[name] = new[id(t)]  # type: ignore[assignment]

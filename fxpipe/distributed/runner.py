@@ -1,0 +1,264 @@
+"""One rank's part of a distributed pipeline: its torch stages and schedule, its parameters,
+the gradients of parameters shared with other ranks, and its state-dict shard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.utils._pytree import tree_unflatten
+
+from fxpipe.binding import InputBinder
+from fxpipe.distributed.ownership import Ownership, merge_state_dicts
+from fxpipe.errors import ConfigError
+from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+
+__all__ = ["DistributedPipeline", "SPLIT_BACKWARD"]
+
+#: Schedules that run backward as separate input and weight parts (zero bubble).
+SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+Metas = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+
+
+class DistributedPipeline:
+    """This rank's part of a pipeline, made by :func:`fxpipe.distributed.pipeline_schedule`.
+
+    - ``schedule``: the torch schedule; ``schedule.step(x, target=y, losses=losses)`` on
+      the ranks with ``is_first`` / ``is_last``, ``schedule.step()`` elsewhere.
+    - ``plan``: the fxpipe plan every rank computed; ``stage_indices``: this rank's stages;
+      ``stage_modules``: their GraphModules; ``stages``: their torch ``PipelineStage``.
+    - ``parameters()`` for this rank's optimizer; ``sync_tied_gradients()`` before its step.
+    - ``state_dict()`` / ``load_stage_state_dict()``: this rank's shard under the model's keys.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: PipelinePlan,
+        program: StageProgram,
+        binder: InputBinder,
+        metas: list[Metas],
+        ranks: tuple[int, ...],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        *,
+        kind: str,
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        scale_grads: bool,
+    ) -> None:
+        self.plan, self.group, self.device = plan, group, device
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.num_stages = plan.num_stages
+        self.stage_indices = tuple(j for j, r in enumerate(ranks) if r == self.rank)
+        self.stage_modules = tuple(program.modules[j] for j in self.stage_indices)
+        self.is_first = 0 in self.stage_indices
+        self.is_last = self.num_stages - 1 in self.stage_indices
+        self._leaves, self._spec = program.output_leaves, program.output_spec
+        self._own = Ownership(model, program, ranks, self.rank)
+        self._own.place(device, [model, plan.graph_module, *program.modules])
+        copies = kind in SPLIT_BACKWARD
+        self.stages = tuple(
+            self._stage(program, binder if j == 0 else None, metas[j], j, copies)
+            for j in self.stage_indices
+        )
+        loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output)
+        cls = get_schedule_class(kind)
+        single = issubclass(cls, PipelineScheduleSingle)
+        self.schedule = cls(
+            self.stages[0] if single else list(self.stages),
+            n_microbatches=n_microbatches,
+            loss_fn=loss,
+            scale_grads=scale_grads,
+        )
+
+    def _stage(
+        self, program: StageProgram, binder: InputBinder | None, metas: Metas, j: int, copies: bool
+    ) -> PipelineStage:
+        take = None
+        inputs, outputs = metas
+        if j == self.num_stages - 1:
+            names = program.outputs[j]
+            take = tuple(names.index(x.name) for x in self._leaves if isinstance(x, ValueRef))
+            outputs = tuple(outputs[i] for i in take)
+        module = _StageModule(program.modules[j], binder, take, copies)
+        stage = _Stage(
+            module,
+            j,
+            self.num_stages,
+            self.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=self.group,
+        )
+        before = self.stage_modules[: self.stage_indices.index(j)]
+        earlier = {id(p) for m in before for p in m.parameters()}
+        stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
+        return stage
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's own Parameters (each once, tied ones included), for its optimizer."""
+        return [p for _, p in self._own.named_parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(model key, Parameter)`` for this rank's own Parameters, each once."""
+        return self._own.named_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard under the model's own keys (persistent entries only)."""
+        own = self._own
+        return {k: t.detach() for k, t in own.tensors.items() if k in own.persistent}
+
+    def load_stage_state_dict(self, full_state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's entries from a full (unpipelined) state dict into its stages.
+
+        Non-persistent buffers are copied too when the dict has them; one materialised from
+        the ``meta`` device must be in it (it would hold garbage otherwise).
+        """
+        missing = self._own.load(full_state_dict)
+        if missing:
+            raise ConfigError(
+                f"the state dict lacks {missing[:5]} ({len(missing)} in all) that stage(s) "
+                f"{list(self.stage_indices)} hold; pass the model's full state_dict (plus its "
+                "non-persistent buffers when the model was built on the 'meta' device)"
+            )
+
+    def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The merged state dict (CPU tensors) on group rank ``dst``, None on the others.
+
+        A collective: call it on every rank.
+        """
+        shard = {k: t.cpu() for k, t in self.state_dict().items()}
+        shards: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        root = dst if self.group is None else dist.get_global_rank(self.group, dst)
+        dist.gather_object(shard, shards, dst=root, group=self.group)
+        return None if shards is None else merge_state_dicts(shards)
+
+    @property
+    def replicated_keys(self) -> tuple[str, ...]:
+        """Keys of the Parameters whose copies live on several ranks (normally none)."""
+        return tuple(key for key, _, _ in self._own.replicated)
+
+    def sync_tied_gradients(self) -> None:
+        """Sum the gradients of Parameters held on several ranks; a collective on every rank.
+
+        Call it after ``schedule.step`` and before the optimizer step. A tied parameter
+        (embedding = LM head) or a module called at several depths is read in one stage and
+        relayed to later ones as a boundary value, so its whole gradient already returns
+        into its one Parameter through the pipeline's backward. Copies on several ranks only
+        arise when stage modules of different ranks hold the same tensor; without copies
+        this does nothing (and communicates nothing).
+        """
+        if not self._own.replicated:
+            return
+        comm = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        grads = []
+        for _, shape, t in self._own.replicated:
+            g = None if t is None else t.grad
+            grads.append(torch.zeros(shape, device=comm) if g is None else g.to(comm))
+        # float64 for the sum, so that every dtype comes back as exact as it can be.
+        flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for (_, shape, t), g in zip(self._own.replicated, grads):
+            if t is not None:
+                t.grad = flat[offset : offset + g.numel()].view(shape).to(t.device, t.dtype)
+            offset += g.numel()
+
+    def unflatten_output(self, output: Any) -> Any:
+        """The last stage's flat output (as ``schedule.step`` merges it) in the model's
+        own structure (tensor, tuple, dict, dataclass)."""
+        flat = iter(output if isinstance(output, tuple) else (output,))
+        leaves = [next(flat) if isinstance(x, ValueRef) else x for x in self._leaves]
+        return tree_unflatten(leaves, self._spec)
+
+    def step(
+        self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any
+    ) -> Any:
+        """``schedule.step(...)``, returning the merged output in the model's structure on
+        the last stage's rank (None elsewhere)."""
+        out = self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        return None if out is None else self.unflatten_output(out)
+
+
+class _StageModule(nn.Module):
+    """A stage GraphModule as torch's stages call it: stage 0 takes the model's own
+    arguments; other stages take the previous stage's outputs (and ignore the keyword
+    arguments torch passes every stage of the first rank); the last stage returns the
+    model output's tensor leaves (a bare tensor when there is one)."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        binder: InputBinder | None,
+        take: tuple[int, ...] | None,
+        copies: bool,
+    ) -> None:
+        super().__init__()
+        self.stage = gm
+        self._binder, self._take = binder, take
+        # Zero-bubble schedules detach every stage's outputs in place after the input part of
+        # backward, and the weight part may still need them (saved by a later node of the
+        # stage, or by the loss): hand out copies (views on the last stage, which torch
+        # leaves attached). They also send input gradients as autograd computes them, which
+        # may be strided: make those contiguous.
+        self._copies = copies
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._binder is not None:
+            args = self._binder.bind(args, kwargs)
+        elif self._copies:
+            args = tuple(_contiguous_grad(a) if a.requires_grad else a for a in args)
+        out = self.stage(*args)
+        if self._take is None:
+            return tuple(t.clone() if self._copies else t.contiguous() for t in out)
+        picked = tuple(out[i].view_as(out[i]) if self._copies else out[i] for i in self._take)
+        return picked[0] if len(picked) == 1 else picked
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous (torch sends only contiguous tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = _ContiguousGrad.apply(x)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage that scales a Parameter shared with an earlier stage of its rank once
+    (torch scales every stage's parameters, so such a Parameter would be scaled twice)."""
+
+    scaled: list[nn.Parameter]
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        if grad_scale_factor != 1:
+            for p in self.scaled:
+                if p.grad is not None:
+                    p.grad.div_(grad_scale_factor)
+
+
+class _StructuredLoss:
+    """``loss_fn`` called on the model's own output structure rather than torch's flat one."""
+
+    def __init__(
+        self, loss_fn: Callable[..., torch.Tensor], rebuild: Callable[[Any], Any]
+    ) -> None:
+        self.loss_fn, self.rebuild = loss_fn, rebuild
+
+    def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss_fn(self.rebuild(output), target, **kwargs)

@@ -1,0 +1,463 @@
+"""fxpipe.distributed against eager PyTorch: several processes on the CPU, gloo on loopback.
+
+Each test starts its ranks with torch.multiprocessing (spawn), joins every one of them under
+a hard time limit (killing the rest and failing past it), and reads what each rank saved.
+Losses are sum-reduced with ``scale_grads=False``, so the summed micro-batch losses and the
+gradients equal the eager model's on the whole batch (one test uses ``scale_grads=True`` and
+compares with the eager gradients divided by the number of micro-batches).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+if str(TESTS.parent) not in sys.path:  # the ranks import this module by its package path
+    sys.path.append(str(TESTS.parent))
+
+from models import ZOO, ResidualMLP, TinyGPT  # noqa: E402
+
+import fxpipe.distributed as fd  # noqa: E402
+from fxpipe.errors import ConfigError, FxPipeError  # noqa: E402
+
+TIME_LIMIT = 120.0  # seconds per test, all ranks together
+BATCH, N_MB = 8, 4
+
+Problem = tuple[Callable[[], nn.Module], tuple[Any, ...], dict[str, Any], Callable[..., Any], Any]
+
+
+# ---------------------------------------------------------------------------- problems
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(7)
+
+
+def _sum_sq(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum()
+
+
+def _dict_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    assert isinstance(out, dict) and set(out) == {"logits", "aux"}, type(out)
+    return ((out["logits"] - target) ** 2).sum() + (out["aux"] ** 2).sum()
+
+
+def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum")
+
+
+def _tiny_gpt() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return TinyGPT(p=0.0)  # no dropout: the oracle is exact
+
+
+def _problem(name: str) -> Problem:
+    """Model factory (same weights each call), example args and kwargs, loss, target."""
+    if name == "transformer":
+        args, kwargs = ZOO["transformer"].example(BATCH)
+        target = torch.randint(0, 64, args[0].shape, generator=_gen())
+        return _tiny_gpt, args, kwargs, _lm_loss, target
+    case = ZOO[name]
+    args, kwargs = case.example(BATCH)
+    out = case.build()(*args, **kwargs)
+    logits = out["logits"] if isinstance(out, dict) else out
+    target = torch.randn(logits.shape, generator=_gen())
+    return case.build, args, kwargs, _dict_loss if name == "multi_io_dict" else _sum_sq, target
+
+
+def _eager(name: str) -> tuple[nn.Module, float]:
+    build, args, kwargs, loss_fn, target = _problem(name)
+    model = build()
+    loss = loss_fn(model(*args, **kwargs), target)
+    loss.backward()
+    return model, loss.item()
+
+
+# ---------------------------------------------------------------------------- rank jobs
+
+
+def _step(pipe: fd.DistributedPipeline, args: Any, kwargs: Any, target: Any) -> list[Any]:
+    losses: list[Any] = []
+    if pipe.is_first:
+        tgt = target if pipe.is_last else None
+        pipe.schedule.step(*args, target=tgt, losses=losses, **kwargs)
+    elif pipe.is_last:
+        pipe.schedule.step(target=target, losses=losses)
+    else:
+        pipe.schedule.step()
+    return losses
+
+
+def _train(
+    rank: int, world: int, *, name: str, schedule: str, spr: int = 1, scale_grads: bool = False
+) -> dict[str, Any]:
+    """One pipelined step, then one SGD step; gradients and the state-dict shard."""
+    build, args, kwargs, loss_fn, target = _problem(name)
+    model = build()
+    pipe = fd.pipeline_schedule(
+        model,
+        args,
+        example_kwargs=kwargs,
+        schedule=schedule,
+        n_microbatches=N_MB,
+        loss_fn=loss_fn,
+        stages_per_rank=spr,
+        scale_grads=scale_grads,
+    )
+    losses = _step(pipe, args, kwargs, target)
+    pipe.sync_tied_gradients()
+    own = dict(pipe.named_parameters())
+    grads = {k: p.grad.clone() for k, p in own.items() if p.grad is not None}
+    kept = [k for k, p in model.named_parameters() if k not in own and not p.is_meta]
+    torch.optim.SGD(pipe.parameters(), lr=0.01).step()
+    gm = pipe.plan.graph_module
+    shared = {
+        pipe.plan.stage_of[u.name]
+        for n in gm.graph.nodes
+        if n.op in ("get_attr", "call_module") and str(n.target).startswith("shared")
+        for u in (n.users if n.op == "get_attr" else [n])
+    }
+    return {
+        "stages": pipe.stage_indices,
+        "loss": float(sum(losses)) if losses else None,
+        "grads": grads,
+        "shard": {k: v.clone() for k, v in pipe.state_dict().items()},
+        "replicated": pipe.replicated_keys,
+        "not_released": kept,
+        "stages_using_shared": shared,
+    }
+
+
+def _sync(rank: int, world: int) -> dict[str, Any]:
+    """``sync_tied_gradients`` sums the copies of a Parameter held on several ranks. fxpipe's
+    tracer gives every Parameter one home stage, so the copies here are made up: one held by
+    both ranks, one by rank 0 only."""
+    build, args, _, loss_fn, _ = _problem("mlp_residual")
+    pipe = fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn)
+    assert pipe.replicated_keys == ()
+    pipe.sync_tied_gradients()  # nothing to sum: no communication
+    both, mine = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))
+    both.grad, mine.grad = torch.full((3,), rank + 1.0), torch.ones(2, 2)
+    shapes = (both.shape, mine.shape)
+    pipe._own.replicated = [
+        ("both", shapes[0], both),
+        ("mine", shapes[1], mine if rank == 0 else None),
+    ]
+    pipe.sync_tied_gradients()
+    return {"both": both.grad, "mine": mine.grad}
+
+
+def _meta_model(rank: int, world: int) -> dict[str, Any]:
+    """A model built on ``meta``: planned, its stage materialised and loaded, trained."""
+    _, args, kwargs, loss_fn, target = _problem("mlp_residual")
+    with torch.device("meta"):
+        model = ResidualMLP()
+    pipe = fd.pipeline_schedule(model, args, n_microbatches=N_MB, loss_fn=loss_fn, schedule="1f1b")
+    own = dict(pipe.named_parameters())
+    placed = all(not p.is_meta for p in own.values())
+    released = all(p.is_meta for k, p in model.named_parameters() if k not in own)
+    full = ZOO["mlp_residual"].build().state_dict()
+    try:
+        pipe.load_stage_state_dict({})
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    pipe.load_stage_state_dict(full)
+    losses = _step(pipe, args, kwargs, target)
+    grads = {k: p.grad.clone() for k, p in own.items()}
+    merged = pipe.gather_state_dict(dst=0)
+    return {
+        "placed": placed,
+        "released": released,
+        "refused": refused,
+        "grads": grads,
+        "loss": float(sum(losses)) if losses else None,
+        "merged": merged,
+    }
+
+
+def _fail(rank: int, world: int, *, bad_rank: int) -> dict[str, Any]:
+    """Rank ``bad_rank``'s stage raises in its forward on the second step."""
+    build, args, kwargs, loss_fn, target = _problem("mlp_residual")
+    pipe = fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn)
+    calls = []
+
+    def boom(*_: Any) -> None:
+        calls.append(1)
+        if len(calls) > N_MB:
+            raise RuntimeError(f"injected failure on rank {rank}")
+
+    if rank == bad_rank:
+        pipe.stage_modules[0].register_forward_pre_hook(boom)
+    for _ in range(3):
+        _step(pipe, args, kwargs, target)
+    return {}
+
+
+def _bad_inputs(rank: int, world: int) -> dict[str, Any]:
+    """Bad options fail on each rank alone: rank 1 tries them only after rank 0 has
+    finished, and rank 0 before rank 1 reaches its first collective (any communication in
+    the failed calls would pair with the barrier or wait for a peer and time out)."""
+    build, args, _, loss_fn, _ = _problem("mlp_residual")
+    model = build()
+    attempts: dict[str, dict[str, Any]] = {
+        "schedule": {"schedule": "zigzag"},
+        "num_stages": {"num_stages": world + 1},
+        "interleaved": {"schedule": "interleaved1f1b"},
+        "per_rank": {"schedule": "1f1b", "stages_per_rank": 2},
+        "batch": {"n_microbatches": 3},
+    }
+    if rank == 1:
+        dist.barrier()
+    errors: dict[str, Any] = {}
+    for what, options in attempts.items():
+        options.setdefault("n_microbatches", N_MB)
+        try:
+            fd.pipeline_schedule(model, args, loss_fn=loss_fn, **options)
+            errors[what] = None
+        except FxPipeError as e:
+            errors[what] = (isinstance(e, ValueError), str(e))
+    if rank == 0:
+        dist.barrier()
+    errors["untouched"] = all(not p.is_meta for p in model.parameters())
+    return errors
+
+
+def _disagree(rank: int, world: int) -> dict[str, Any]:
+    """The ranks build different models; each must refuse, after the one collective."""
+    _, args, _, loss_fn, _ = _problem("mlp_residual")
+    model = ResidualMLP(depth=6 if rank == 0 else 5)
+    try:
+        fd.pipeline_schedule(model, args, n_microbatches=N_MB, loss_fn=loss_fn)
+        error = ""
+    except FxPipeError as e:
+        error = str(e)
+    return {"error": error, "untouched": all(not p.is_meta for p in model.parameters())}
+
+
+# ---------------------------------------------------------------------------- launching
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    rank: int, world: int, port: int, out: str, job: Callable[..., Any], options: dict[str, Any]
+) -> None:
+    torch.set_num_threads(1)
+    path = Path(out) / f"rank{rank}.pt"
+    timeout = datetime.timedelta(seconds=options.pop("pg_timeout", 60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+    try:
+        result = {"ok": job(rank, world, **options)}
+    except BaseException as e:
+        text = f"{type(e).__name__}: {e}"
+        torch.save({"error": text, "traceback": traceback.format_exc()}, path)
+        os._exit(1)  # no orderly shutdown: peers may be gone or blocked
+    torch.save(result, path)
+    dist.destroy_process_group()
+
+
+def _launch(job: Callable[..., Any], world: int, tmp: Path, **options: Any) -> list[Any]:
+    """Run ``job`` on ``world`` ranks; (exit code, saved result or None) per rank."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, str(tmp), job, options), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIME_LIMIT
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if hung:
+        pytest.fail(f"rank(s) {hung} still running after {TIME_LIMIT:.0f} s; killed")
+    files = [tmp / f"rank{r}.pt" for r in range(world)]
+    return [
+        (p.exitcode, torch.load(f, weights_only=False) if f.exists() else None)
+        for p, f in zip(procs, files)
+    ]
+
+
+def _results(runs: list[Any]) -> list[dict[str, Any]]:
+    bad = [
+        f"rank {r}: exit {code}\n{(res or {}).get('traceback', '')}"
+        for r, (code, res) in enumerate(runs)
+        if code != 0 or not res or "ok" not in res
+    ]
+    if bad:
+        pytest.fail("\n".join(bad))
+    return [res["ok"] for _, res in runs]
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = float(expected.abs().max()) if expected.numel() else 1.0
+    torch.testing.assert_close(
+        actual, expected, rtol=1e-4, atol=1e-5 * max(scale, 1.0), msg=lambda m: f"{what}: {m}"
+    )
+
+
+def _check_against_eager(name: str, results: list[dict[str, Any]], divide: int = 1) -> None:
+    eager, loss = _eager(name)
+    (rank_loss,) = [r["loss"] for r in results if r["loss"] is not None]
+    assert rank_loss == pytest.approx(loss, rel=1e-5)
+    expected = {k: p.grad for k, p in eager.named_parameters()}
+    got: dict[str, torch.Tensor] = {}
+    for r in results:
+        assert r["not_released"] == [], f"stages {r['stages']} kept {r['not_released']}"
+        for key, grad in r["grads"].items():
+            _close(grad, expected[key] / divide, f"grad of {key} on stages {r['stages']}")
+            got[key] = grad
+    assert set(got) == {k for k, p in eager.named_parameters() if p.grad is not None}
+    # The shards merge into a state dict that loads (strict) into the unpipelined model,
+    # equal to the eager model after the same SGD step.
+    build, args, kwargs, _, _ = _problem(name)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p -= 0.01 * p.grad / divide
+    fresh = build()
+    fresh.load_state_dict(fd.merge_state_dicts(r["shard"] for r in results), strict=True)
+    with torch.no_grad():
+        for a, b in zip(tree_leaves(fresh(*args, **kwargs)), tree_leaves(eager(*args, **kwargs))):
+            _close(a, b, "output of the merged state dict")
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(
+    "name, schedule", [("unet", "gpipe"), ("unet", "1f1b"), ("multi_io_dict", "1f1b")]
+)
+def test_two_ranks_match_eager(tmp_path: Path, name: str, schedule: str) -> None:
+    results = _results(_launch(_train, 2, tmp_path, name=name, schedule=schedule))
+    assert [r["stages"] for r in results] == [(0,), (1,)]
+    _check_against_eager(name, results)
+
+
+def test_four_ranks_match_eager(tmp_path: Path) -> None:
+    results = _results(_launch(_train, 4, tmp_path, name="unet", schedule="1f1b"))
+    assert [r["stages"] for r in results] == [(0,), (1,), (2,), (3,)]
+    _check_against_eager("unet", results)
+
+
+@pytest.mark.parametrize(
+    "schedule, stages",
+    [("interleaved1f1b", [(0, 2), (1, 3)]), ("zbvzerobubble", [(0, 3), (1, 2)])],
+)
+def test_two_stages_per_rank(tmp_path: Path, schedule: str, stages: list[Any]) -> None:
+    runs = _launch(_train, 2, tmp_path, name="unet", schedule=schedule, spr=2, scale_grads=True)
+    results = _results(runs)
+    assert [r["stages"] for r in results] == stages
+    _check_against_eager("unet", results, divide=N_MB)
+
+
+def test_tied_embedding_gradient_returns_through_the_pipeline(tmp_path: Path) -> None:
+    results = _results(_launch(_train, 2, tmp_path, name="transformer", schedule="1f1b"))
+    _check_against_eager("transformer", results)
+    holders = [r for r in results if "tok.weight" in r["grads"]]
+    assert len(holders) == 1, "the tied weight must live on one rank only"
+    assert {"tok.weight", "head.weight"} <= set(holders[0]["shard"])
+    assert all(r["replicated"] == () for r in results)
+
+
+def test_module_called_in_two_stages_lives_on_one_rank(tmp_path: Path) -> None:
+    results = _results(_launch(_train, 2, tmp_path, name="shared_module", schedule="gpipe"))
+    assert all(r["stages_using_shared"] == {0, 1} for r in results)
+    assert all(r["replicated"] == () for r in results)
+    holders = [r for r in results if "shared.fc1.weight" in r["grads"]]
+    assert len(holders) == 1
+    _check_against_eager("shared_module", results)
+
+
+def test_sync_tied_gradients_sums_copies(tmp_path: Path) -> None:
+    results = _results(_launch(_sync, 2, tmp_path))
+    for r in results:
+        assert torch.equal(r["both"], torch.full((3,), 3.0))
+    assert torch.equal(results[0]["mine"], torch.ones(2, 2))
+
+
+def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path) -> None:
+    results = _results(_launch(_meta_model, 2, tmp_path))
+    eager, loss = _eager("mlp_residual")
+    assert all(r["placed"] and r["released"] for r in results)
+    assert all("lacks" in r["refused"] for r in results)
+    (rank_loss,) = [r["loss"] for r in results if r["loss"] is not None]
+    assert rank_loss == pytest.approx(loss, rel=1e-5)
+    expected = dict(eager.named_parameters())
+    for r in results:
+        for key, grad in r["grads"].items():
+            _close(grad, expected[key].grad, key)
+    merged = results[0]["merged"]
+    assert results[1]["merged"] is None
+    ZOO["mlp_residual"].build().load_state_dict(merged, strict=True)
+    for key, value in ZOO["mlp_residual"].build().state_dict().items():
+        assert torch.equal(merged[key], value), key
+
+
+def test_failing_rank_stops_every_rank(tmp_path: Path) -> None:
+    start = time.monotonic()
+    runs = _launch(_fail, 3, tmp_path, bad_rank=1, pg_timeout=15)
+    assert time.monotonic() - start < TIME_LIMIT
+    assert all(code != 0 for code, _ in runs), [code for code, _ in runs]
+    assert all(res is not None and "error" in res for _, res in runs)
+    assert "injected failure on rank 1" in runs[1][1]["traceback"]
+
+
+def test_bad_options_fail_on_every_rank_before_communication(tmp_path: Path) -> None:
+    for errors in _results(_launch(_bad_inputs, 2, tmp_path, pg_timeout=20)):
+        assert errors.pop("untouched")
+        assert all(e is not None and e[0] for e in errors.values()), errors
+        assert "'zigzag'" in errors["schedule"][1] and "Interleaved1F1B" in errors["schedule"][1]
+        assert "num_stages=3" in errors["num_stages"][1]
+        assert "stages_per_rank=1" in errors["interleaved"][1]
+        assert "stages_per_rank=2" in errors["per_rank"][1]
+        assert "n_microbatches=3" in errors["batch"][1]
+
+
+def test_ranks_that_plan_differently_all_refuse(tmp_path: Path) -> None:
+    for result in _results(_launch(_disagree, 2, tmp_path, pg_timeout=20)):
+        assert "rank(s) [1] computed a different plan" in result["error"]
+        assert result["untouched"]
+
+
+def test_without_a_process_group_names_the_remedy() -> None:
+    assert not dist.is_initialized()
+    build, args, _, loss_fn, _ = _problem("mlp_residual")
+    with pytest.raises(ConfigError, match=r"init_process_group"):
+        fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn)
