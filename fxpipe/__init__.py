@@ -23,12 +23,15 @@ How a model becomes a pipeline, one direction of flow:
 
 ``fxpipe.Pipeline`` is the ``nn.Module`` that puts it together: same outputs, same
 gradients, same parameters, same ``state_dict`` keys as the model it was built from.
+``plan.draw()`` pictures a plan, ``fxpipe.record(pipe)`` times every task of a step, and the
+``fxpipe inspect`` command does both for any model factory.
 """
 
 from fxpipe.api import pipeline, plan
 from fxpipe.errors import FxPipeError
 from fxpipe.ir import PipelinePlan
 from fxpipe.pipeline import Pipeline
+from fxpipe.timeline import Timeline, record
 
-__all__ = ["pipeline", "plan", "Pipeline", "PipelinePlan", "FxPipeError"]
+__all__ = ["pipeline", "plan", "record", "Pipeline", "PipelinePlan", "Timeline", "FxPipeError"]
 __version__ = "0.1.0"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,6 +146,24 @@ class PipelinePlan:
         from fxpipe.report import plan_to_dot
 
         return plan_to_dot(self, level=level)
+
+    def draw(
+        self, path: str | PathLike[str], *, kind: str = "graph", level: str = "stage"
+    ) -> Path:
+        """Write a picture of the plan; returns its ``pathlib.Path``.
+
+        ``kind="graph"``: the stage graph (``level="stage"``) or the node graph
+        (``level="node"``) as .svg/.png/.pdf through Graphviz ``dot``, or .dot text.
+        ``kind="balance"``: stage cost against the lower bound and memory against capacity,
+        as .png/.svg/.pdf through matplotlib (the ``viz`` extra).
+        """
+        from fxpipe.viz import draw_plan
+
+        return draw_plan(self, path, kind=kind, level=level)
+
+    def draw_balance(self, path: str | PathLike[str]) -> Path:
+        """``draw(path, kind="balance")``."""
+        return self.draw(path, kind="balance")
 
     def __str__(self) -> str:
         return self.summary()

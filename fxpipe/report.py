@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fxpipe.devices import device_capacity
@@ -10,30 +11,91 @@ from fxpipe.errors import ConfigError
 if TYPE_CHECKING:
     import torch.fx as fx
 
-    from fxpipe.ir import PipelinePlan
+    from fxpipe.ir import PipelinePlan, StagePlan
 
-__all__ = ["plan_summary", "plan_to_dot", "module_path", "format_bytes", "gpipe_prediction"]
+__all__ = [
+    "plan_summary",
+    "plan_to_dot",
+    "module_path",
+    "stage_span",
+    "format_bytes",
+    "format_cost",
+    "gpipe_prediction",
+    "boundary_in",
+    "boundary_out",
+    "dot_quote",
+]
+
+#: Widest a module path may be in the summary; longer ones lose their middle.
+PATH_WIDTH = 32
 
 
 def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def format_cost(value: float, unit: str) -> str:
+    """A cost in its unit: seconds as ms, FLOP with an SI prefix, bytes in KiB/MiB."""
+    if unit == "s":
+        if abs(value) >= 1:
+            return f"{value:.3g} s"
+        if abs(value) >= 1e-3 or value == 0:
+            return f"{value * 1e3:.3g} ms"
+        return f"{value * 1e6:.3g} us"
+    if unit == "flop":
+        for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if abs(value) >= scale:
+                return f"{value / scale:.3g} {prefix}FLOP"
+        return f"{value:.3g} FLOP"
+    if unit == "B":
+        return format_bytes(value)
+    return f"{value:.3g}"
+
+
+def _percent(part: float, whole: float) -> str:
+    if whole <= 0:
+        return "?"
+    share = 100 * part / whole
+    return "<0.1%" if 0 < share < 0.1 else f"{share:.1f}%"
 
 
 def module_path(node: fx.Node) -> str:
-    """The module a node belongs to: its target for module calls, else its innermost
-    entry of ``nn_module_stack``, else the node name."""
-    if node.op in ("call_module", "get_attr"):
+    """The module a node belongs to: its target for module calls, the owner of the attribute
+    for ``get_attr``, else the innermost entry of ``nn_module_stack``; ``""`` at the root."""
+    if node.op == "call_module":
         return str(node.target)
+    if node.op == "get_attr":
+        owner, _, _ = str(node.target).rpartition(".")
+        return owner
     stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        return str(path) or node.name
-    return node.name
+    if stack and node.op in ("call_function", "call_method"):
+        return str(list(stack.values())[-1][0])
+    return ""
+
+
+def stage_span(plan: PipelinePlan, stage: StagePlan) -> tuple[str, str]:
+    """The first and last module paths a stage covers (node names where it has none)."""
+    nodes = {n.name: n for n in plan.graph_module.graph.nodes}
+    work = [nodes[n] for n in stage.nodes if nodes[n].op not in ("placeholder", "output")]
+    paths = [p for p in (module_path(n) for n in work) if p]
+    if paths:
+        return paths[0], paths[-1]
+    if work:
+        return work[0].name, work[-1].name
+    return "-", "-"
+
+
+def _shorten(text: str, width: int = PATH_WIDTH) -> str:
+    """Cut the middle out of ``text`` so it fits ``width``; both ends say the most."""
+    if len(text) <= width:
+        return text
+    head = (width - 3) // 2
+    return text[:head] + "..." + text[len(text) - (width - 3 - head) :]
 
 
 def gpipe_prediction(plan: PipelinePlan, chunks: int) -> tuple[float, float]:
@@ -50,58 +112,168 @@ def gpipe_prediction(plan: PipelinePlan, chunks: int) -> tuple[float, float]:
     return bubble, total / makespan
 
 
-def plan_summary(plan: PipelinePlan) -> str:
-    """One row per stage, totals and the GPipe prediction below."""
-    nodes = {n.name: n for n in plan.graph_module.graph.nodes}
-    capacity = device_capacity(plan.devices)
-    total = plan.total_cost or 1.0
-    unit = plan.costs.unit
-    head = (
-        f"{'stage':>5} {'device':<8} {'nodes':>5}  {'modules (first .. last)':<34} "
-        f"{'params':>9} {'cost':>10} {'share':>6} {'memory / capacity':>21} "
-        f"{'in':>9} {'out':>9}"
-    )
-    rows = [head, "-" * len(head)]
-    for s in plan.stages:
-        work = [nodes[n] for n in s.nodes if nodes[n].op not in ("placeholder", "output")]
-        span = f"{module_path(work[0])} .. {module_path(work[-1])}" if work else "-"
-        span = span if len(span) <= 34 else span[:31] + "..."
-        cap = capacity[s.index]
-        mem = format_bytes(s.memory_bytes) + (f" / {format_bytes(cap)}" if cap else "")
-        rows.append(
-            f"{s.index:>5} {str(s.device):<8} {len(s.nodes):>5}  {span:<34} "
-            f"{format_bytes(s.param_bytes):>9} {_cost(s.cost, unit):>10} "
-            f"{100 * s.cost / total:>5.1f}% {mem:>21} "
-            f"{format_bytes(_edge_bytes(plan, s.inputs)):>9} "
-            f"{format_bytes(_edge_bytes(plan, s.outputs)):>9}"
-        )
-    bubble, speedup = gpipe_prediction(plan, plan.chunks)
-    rows += [
-        "-" * len(head),
-        f"cost model: {plan.costs.mode} ({unit}); search: {plan.info.get('method', '?')}",
-        f"bottleneck {_cost(plan.bottleneck, unit)} / lower bound "
-        f"{_cost(plan.lower_bound, unit)} = {plan.bottleneck / max(plan.lower_bound, 1e-30):.3f}",
-        f"boundary values: {len(plan.edges)}, "
-        f"{format_bytes(sum(e.bytes * len(e.consumers) for e in plan.edges))} per batch",
-        f"with chunks={plan.chunks}: predicted bubble {100 * bubble:.1f}%, "
-        f"speedup over one device {speedup:.2f}x",
+def boundary_in(plan: PipelinePlan, j: int) -> int:
+    """Bytes of the boundary values stage ``j`` receives, per example batch."""
+    return sum(e.bytes for e in plan.edges if j in e.consumers)
+
+
+def boundary_out(plan: PipelinePlan, j: int) -> int:
+    """Bytes stage ``j`` sends, per example batch (a value sent to two stages counts twice)."""
+    return sum(e.bytes * len(e.consumers) for e in plan.edges if e.producer == j)
+
+
+# ------------------------------------------------------------------------------ summary
+
+_HEAD = (
+    "stage",
+    "device",
+    "nodes",
+    "first module",
+    "last module",
+    "params",
+    "cost",
+    "share",
+    "memory",
+    "of device",
+    "in",
+    "out",
+)
+_LEFT = {"device", "first module", "last module"}
+
+
+def _stage_row(plan: PipelinePlan, s: StagePlan, capacity: int | None) -> list[str]:
+    first, last = stage_span(plan, s)
+    return [
+        str(s.index),
+        str(s.device),
+        str(len(s.nodes)),
+        _shorten(first),
+        _shorten(last),
+        format_bytes(s.param_bytes),
+        format_cost(s.cost, plan.costs.unit),
+        _percent(s.cost, plan.total_cost),
+        format_bytes(s.memory_bytes),
+        _percent(s.memory_bytes, capacity) if capacity else "?",
+        format_bytes(boundary_in(plan, s.index)),
+        format_bytes(boundary_out(plan, s.index)),
     ]
-    return "\n".join(rows)
 
 
-def _edge_bytes(plan: PipelinePlan, names: tuple[str, ...]) -> int:
-    sizes = {e.value: e.bytes for e in plan.edges}
-    return sum(sizes.get(n, 0) for n in names)
+def _total_row(plan: PipelinePlan) -> list[str]:
+    sent = sum(e.bytes * len(e.consumers) for e in plan.edges)
+    return [
+        "total",
+        "",
+        str(sum(len(s.nodes) for s in plan.stages)),
+        "",
+        "",
+        format_bytes(sum(s.param_bytes for s in plan.stages)),
+        format_cost(plan.total_cost, plan.costs.unit),
+        "100%",
+        format_bytes(sum(s.memory_bytes for s in plan.stages)),
+        "",
+        format_bytes(sent),
+        format_bytes(sent),
+    ]
 
 
-def _cost(value: float, unit: str) -> str:
-    if unit == "s":
-        return f"{value * 1e3:.3g} ms"
-    if unit == "flop":
-        return f"{value / 1e6:.3g} MF"
-    if unit == "B":
-        return format_bytes(value)
-    return f"{value:.3g}"
+def _table(rows: Sequence[Sequence[str]], head: Sequence[str]) -> list[str]:
+    """Aligned text: text columns to the left, numbers to the right, a rule under the head."""
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            cell.ljust(w) if name in _LEFT else cell.rjust(w)
+            for cell, w, name in zip(cells, widths, head)
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    body = [line(r) for r in rows]
+    return [line(head), rule, *body[:-1], rule, body[-1]]
+
+
+def plan_summary(plan: PipelinePlan) -> str:
+    """One row per stage, a total row, then balance, traffic, prediction and memory notes."""
+    capacity = device_capacity(plan.devices)
+    rows = [_stage_row(plan, s, capacity[s.index]) for s in plan.stages]
+    rows.append(_total_row(plan))
+    return "\n".join([_title(plan), "", *_table(rows, _HEAD), "", *_footer(plan, capacity)])
+
+
+def _title(plan: PipelinePlan) -> str:
+    costs = plan.costs
+    what = {
+        "time": "profiled forward + backward time",
+        "flops": "forward + backward FLOP",
+        "params": "parameter bytes",
+    }.get(costs.mode, "a user cost function")
+    return (
+        f"PipelinePlan: {plan.num_stages} stages, {len(plan.stage_of)} nodes; "
+        f"cost = {what} of the example batch ({costs.batch_size} samples)"
+    )
+
+
+def _footer(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
+    unit, k = plan.costs.unit, plan.num_stages
+    worst = max(plan.stages, key=lambda s: s.cost)
+    ratio = plan.bottleneck / max(plan.lower_bound, 1e-30)
+    bubble, speedup = gpipe_prediction(plan, plan.chunks)
+    sent = sum(e.bytes * len(e.consumers) for e in plan.edges)
+    per_micro = sent / max(plan.chunks, 1)
+    search = plan.info.get("method", "?")
+    seconds = plan.info.get("seconds")
+    took = f" in {float(seconds):.2f} s" if isinstance(seconds, (int, float)) else ""
+    return [
+        f"bottleneck:  stage {worst.index}, {format_cost(plan.bottleneck, unit)} = {ratio:.3f} x "
+        f"the lower bound {format_cost(plan.lower_bound, unit)} (max of total/{k}, largest node)",
+        f"pipeline:    chunks={plan.chunks}: predicted bubble {100 * bubble:.1f}%, "
+        f"speedup {speedup:.2f}x over one device (GPipe, transfers not counted)",
+        f"boundaries:  {len(plan.edges)} values, {format_bytes(sent)} per batch "
+        f"({format_bytes(per_micro)} per micro-batch); in and out are per batch",
+        *_memory_notes(plan, capacity),
+        f"search:      {search}{took}",
+    ]
+
+
+def _memory_notes(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
+    notes = [
+        "memory:      training estimate: weights, gradients, Adam state, activations in flight"
+    ]
+    groups: dict[str, list[int]] = {}
+    for s in plan.stages:
+        groups.setdefault(str(s.device), []).append(s.index)
+    for device, stages in groups.items():
+        cap = capacity[stages[0]]
+        need = sum(plan.stages[j].memory_bytes for j in stages)
+        who = f"stage {stages[0]}" if len(stages) == 1 else f"stages {_ranges(stages)} share it"
+        have = format_bytes(cap) if cap else "unknown"
+        use = f", {format_bytes(need)} = {_percent(need, cap)}" if cap else ""
+        notes.append(f"             {device}: {have} ({who}{use})")
+    return notes
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    parts: list[str] = []
+    start = prev = indices[0]
+    for j in [*indices[1:], None]:
+        if j is not None and j == prev + 1:
+            prev = j
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if j is not None:
+            start = prev = j
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------ DOT
+
+
+def dot_quote(text: str) -> str:
+    """``text`` as a double-quoted DOT string; line breaks become centred DOT line breaks."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + escaped.replace("\r", "").replace("\n", "\\n") + '"'
 
 
 def plan_to_dot(plan: PipelinePlan, level: str = "stage") -> str:
@@ -114,35 +286,85 @@ def plan_to_dot(plan: PipelinePlan, level: str = "stage") -> str:
     raise ConfigError(f"level={level!r} is not 'stage' or 'node'; pick one of them")
 
 
+_GRAPH_STYLE = [
+    '  graph [fontname="Helvetica", fontsize=11, nodesep=0.35, ranksep=0.6];',
+    '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11];',
+    '  edge [fontname="Helvetica", fontsize=9, color="#555555"];',
+]
+
+
+def _stage_label(plan: PipelinePlan, s: StagePlan) -> str:
+    first, last = (_shorten(p, 40) for p in stage_span(plan, s))
+    span = first if first == last else f"{first}\n.. {last}"
+    return (
+        f"stage {s.index} ({s.device})\n{span}\n"
+        f"{len(s.nodes)} nodes, cost {format_cost(s.cost, plan.costs.unit)} "
+        f"({_percent(s.cost, plan.total_cost)})\n"
+        f"params {format_bytes(s.param_bytes)}, memory {format_bytes(s.memory_bytes)}"
+    )
+
+
 def _stage_dot(plan: PipelinePlan) -> str:
-    total = plan.total_cost or 1.0
-    lines = ["digraph plan {", "  rankdir=LR;", '  node [shape=box, fontname="Helvetica"];']
+    lines = ["digraph plan {", "  rankdir=TB;", *_GRAPH_STYLE]
+    lines.append('  input [shape=ellipse, style=filled, fillcolor="#eeeeee", label="input"];')
     for s in plan.stages:
-        label = (
-            f"stage {s.index}\\n{s.device}\\n{len(s.nodes)} nodes, "
-            f"{100 * s.cost / total:.0f}% cost\\nparams {format_bytes(s.param_bytes)}"
+        hot = s.cost >= plan.bottleneck and plan.num_stages > 1
+        fill = "#f6c9a8" if hot else "#d8e6f3"
+        lines.append(
+            f'  s{s.index} [label={dot_quote(_stage_label(plan, s))}, fillcolor="{fill}"];'
         )
-        lines.append(f'  s{s.index} [label="{label}"];')
+    lines.append('  output [shape=ellipse, style=filled, fillcolor="#eeeeee", label="output"];')
+    lines.append("  input -> s0;")
     for e in plan.edges:
         for c in e.consumers:
-            style = ", style=dashed" if c - e.producer > 1 else ""
-            label = f"{e.value}\\n{format_bytes(e.bytes)}"
-            lines.append(f'  s{e.producer} -> s{c} [label="{label}"{style}];')
+            skip = c - e.producer > 1
+            style = ', style=dashed, color="#b5533c"' if skip else ""
+            label = dot_quote(f"{e.value}\n{format_bytes(e.bytes)}")
+            tip = dot_quote(f"{e.value}: {e.bytes:,} bytes, stage {e.producer} -> {c}")
+            lines.append(f"  s{e.producer} -> s{c} [label={label}, tooltip={tip}{style}];")
+    for j in _output_stages(plan):
+        lines.append(f"  s{j} -> output;")
     lines.append("}")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
+
+
+def _output_stages(plan: PipelinePlan) -> list[int]:
+    """Stages that produce a value of the model's output."""
+    out = [n for n in plan.graph_module.graph.nodes if n.op == "output"]
+    stages = {plan.stage_of[a.name] for node in out for a in node.all_input_nodes}
+    return sorted(stages) or [plan.num_stages - 1]
+
+
+def _node_kind(plan: PipelinePlan, node: fx.Node) -> str:
+    """What a node does, in a few words: module type, function (and its module), or role."""
+    if node.op == "call_module":
+        return type(plan.graph_module.get_submodule(str(node.target))).__name__
+    if node.op in ("call_function", "call_method"):
+        fn = str(getattr(node.target, "__name__", node.target))
+        path = module_path(node)
+        return f"{fn} in {path}" if path else ("" if fn == node.name else fn)
+    return {"get_attr": "attribute", "placeholder": "input"}.get(node.op, node.op)
 
 
 def _node_dot(plan: PipelinePlan) -> str:
-    lines = ["digraph nodes {", '  node [shape=box, fontsize=10, fontname="Helvetica"];']
-    graph = plan.graph_module.graph
+    lines = ["digraph nodes {", *_GRAPH_STYLE]
+    nodes = {n.name: n for n in plan.graph_module.graph.nodes}
     for s in plan.stages:
         lines.append(f"  subgraph cluster_{s.index} {{")
-        lines.append(f'    label="stage {s.index} ({s.device})";')
+        title = f"stage {s.index} ({s.device}), {format_cost(s.cost, plan.costs.unit)}"
+        lines.append(f'    label={dot_quote(title)}; style=rounded; color="#7a9cc6";')
         for name in s.nodes:
-            lines.append(f'    "{name}";')
+            label = f"{name}\n{_node_kind(plan, nodes[name])}".rstrip()
+            lines.append(f'    {dot_quote(name)} [label={dot_quote(label)}, fillcolor="#eef3f9"];')
         lines.append("  }")
-    for node in graph.nodes:
+    sizes = {e.value: e.bytes for e in plan.edges}
+    for node in plan.graph_module.graph.nodes:
         for user in node.users:
-            lines.append(f'  "{node.name}" -> "{user.name}";')
+            edge = f"  {dot_quote(node.name)} -> {dot_quote(user.name)}"
+            crosses = plan.stage_of[node.name] != plan.stage_of[user.name]
+            if crosses and node.name in sizes:
+                label = dot_quote(format_bytes(sizes[node.name]))
+                edge += f' [label={label}, color="#b5533c", penwidth=1.6]'
+            lines.append(edge + ";")
     lines.append("}")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -43,6 +43,8 @@ __all__ = [
 
 Tensors = tuple[torch.Tensor, ...]
 RNGState = tuple[torch.Tensor, torch.Tensor | None]
+#: ``span(phase)`` times a block as that phase of the cell (see ``runtime.recording``).
+SpanFactory = Callable[[str], AbstractContextManager[None]]
 
 
 class _Flags(threading.local):
@@ -89,20 +91,65 @@ def _restore_rng(device: torch.device, state: RNGState) -> Iterator[None]:
         yield
 
 
+def _buffer_versions(function: Callable[..., Any]) -> list[tuple[torch.Tensor, int]]:
+    if not isinstance(function, nn.Module):
+        return []
+    return [(b, b._version) for b in function.buffers()]
+
+
+def _needs_grad(rec: _Recomputation) -> bool:
+    """Whether the stage's outputs can carry a gradient: an input or a parameter needs one
+    (any callable that is not a module may hold parameters of its own)."""
+    if any(x.requires_grad for x in rec.in_tensors):
+        return True
+    function = rec.function
+    if not isinstance(function, nn.Module):
+        return True
+    return any(p.requires_grad for p in function.parameters())
+
+
+def _batch_norm_buffers(function: Callable[..., Any]) -> list[torch.Tensor]:
+    """Buffers a graph passes to a batch-norm op (which updates them without bumping their
+    version counter): the running statistics of a graph from torch.export."""
+    if not isinstance(function, torch.fx.GraphModule):
+        return []
+    buffers = {id(b): b for b in function.buffers()}
+    found: dict[int, torch.Tensor] = {}
+    for node in function.graph.nodes:
+        if node.op == "call_function" and "batch_norm" in str(node.target):
+            for arg in node.all_input_nodes:
+                value = _attr(function, str(arg.target)) if arg.op == "get_attr" else None
+                if isinstance(value, torch.Tensor) and id(value) in buffers:
+                    found[id(value)] = value
+    return list(found.values())
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 @contextmanager
-def _keep_batch_norm_stats(function: Callable[..., Any]) -> Iterator[None]:
+def _keep_batch_norm_stats(
+    function: Callable[..., Any], written: Sequence[torch.Tensor] = ()
+) -> Iterator[None]:
     """Undo the running-statistics update of every BatchNorm the recomputation runs.
 
     A BatchNorm in training updates its buffers in place on every call; the first forward
-    already did, so the recomputation must not do it again. (Other layers with side effects
-    can check :func:`is_recomputing`.)
+    already did, so the recomputation must not do it again. The same holds for the other
+    ``written`` buffers the first forward changed (a graph from torch.export updates
+    BatchNorm statistics through plain ops). (Other layers with side effects can check
+    :func:`is_recomputing`.)
     """
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    saved = [(b, b.clone()) for b in written]
     if isinstance(function, nn.Module):
         for module in function.modules():
             if isinstance(module, _BatchNorm) and module.training:
                 buffers = (module.running_mean, module.running_var, module.num_batches_tracked)
                 saved.extend((b, b.clone()) for b in buffers if b is not None)
+    saved = list({id(b): (b, old) for b, old in saved}.values())
     try:
         yield
     finally:
@@ -137,6 +184,17 @@ class _Recomputation:
         self.state: ThreadState | None = None
         #: ``(recomputed output tensors, detached input tensors)`` between the two backwards.
         self.result: tuple[Tensors, Tensors] | None = None
+        #: Buffers the first forward wrote into; the recomputation leaves them as they are.
+        self.written: list[torch.Tensor] = []
+        #: Times the recompute and the backward while a recorder is attached.
+        self.span: SpanFactory | None = None
+
+    def timed(self, phase: str, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)``, timed as ``phase`` when a recorder is attached."""
+        if self.span is None:
+            return function(*args)
+        with self.span(phase):
+            return function(*args)
 
     def call(self, tensors: Sequence[torch.Tensor]) -> Any:
         """Run the function on the saved arguments with ``tensors`` as their tensor leaves."""
@@ -148,8 +206,11 @@ class _Recomputation:
         """The gradient-free forward: remember RNG and autocast, return detached outputs."""
         self.rng = _save_rng(self.device)
         self.state = dataclasses.replace(capture_thread_state(), grad_enabled=True)
+        versions = _buffer_versions(self.function)
         with torch.no_grad(), _flag("checkpointing"):
             outputs = self.call(tensors)
+        self.written = [b for b, version in versions if b._version != version]
+        self.written += _batch_norm_buffers(self.function)
         leaves, self.out_spec = tree_flatten(outputs)
         # Only the non-tensor leaves are kept: the tensors leave through the Function.
         self.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -167,10 +228,20 @@ class _Recomputation:
         assert self.rng is not None and self.state is not None
         inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in tensors)
         with _restore_rng(self.device, self.rng), self.state.enter(), _flag("recomputing"):
-            with use_device(self.device), _keep_batch_norm_stats(self.function):
+            with use_device(self.device), _keep_batch_norm_stats(self.function, self.written):
                 outputs = self.call(inputs)
         leaves = tree_flatten(outputs)[0]
         self.result = tuple(x for x in leaves if isinstance(x, torch.Tensor)), inputs
+
+
+def _backward(outputs: Tensors, grads: Sequence[torch.Tensor | None]) -> None:
+    """Backpropagate ``grads`` through the ``outputs`` that require grad and got one (an
+    output no loss reached gets ``None``, so the parameters behind it keep ``grad=None``)."""
+    pairs = [
+        (y, g) for y, g in zip(outputs, grads, strict=True) if y.requires_grad and g is not None
+    ]
+    if pairs:
+        torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
 
 
 class Checkpoint(torch.autograd.Function):
@@ -182,6 +253,7 @@ class Checkpoint(torch.autograd.Function):
     ) -> Tensors:
         ctx.rec = rec
         ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
         outputs = rec.run_first(tensors)
         constants = [x for x in outputs if not x.is_floating_point() and not x.is_complex()]
         if constants:
@@ -193,13 +265,11 @@ class Checkpoint(torch.autograd.Function):
         rec: _Recomputation = ctx.rec
         if rec.result is None:
             # Recompute did not run first (its output was not on the way to the loss).
-            rec.recompute(ctx.saved_tensors)
+            rec.timed("recompute", rec.recompute, ctx.saved_tensors)
         assert rec.result is not None
         outputs, inputs = rec.result
         rec.result = None
-        pairs = [(y, g) for y, g in zip(outputs, grad_outputs, strict=True) if y.requires_grad]
-        if pairs:
-            torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        rec.timed("backward", _backward, outputs, grad_outputs)
         grads = [x.grad if x.requires_grad else None for x in inputs]
         return (None, None, *grads)
 
@@ -218,7 +288,7 @@ class Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_phony: torch.Tensor) -> tuple[Any, ...]:  # pragma: no cover
         rec: _Recomputation = ctx.rec
-        rec.recompute(ctx.saved_tensors)
+        rec.timed("recompute", rec.recompute, ctx.saved_tensors)
         return (None, None, *(None for _ in ctx.saved_tensors))
 
 
@@ -241,12 +311,17 @@ class Checkpointing:
     ) -> None:
         self._rec = _Recomputation(function, args, torch.device(device))
 
+    def time_with(self, span: SpanFactory) -> None:
+        """Time the recompute and the backward of this call with ``span`` (recording)."""
+        self._rec.span = span
+
     def checkpoint(self) -> Any:
         """Run the stage without keeping activations; returns its outputs."""
         rec = self._rec
         # A phony that requires grad keeps Checkpoint in the graph even when no input
-        # requires grad (the stage's parameters are not inputs of the Function).
-        phony = get_phony(rec.device, requires_grad=True)
+        # requires grad (the stage's parameters are not inputs of the Function); a stage
+        # with neither gives outputs that do not require grad, as it would unpipelined.
+        phony = get_phony(rec.device, requires_grad=_needs_grad(rec))
         tensors: Tensors = _checkpoint(phony, rec, *rec.in_tensors)
         return rec.outputs(tensors)
 

@@ -23,6 +23,7 @@ from fxpipe.runtime.batchnorm import DeferredBatchNorm
 from fxpipe.runtime.checkpoint import Checkpointing
 from fxpipe.runtime.copy import copy, wait
 from fxpipe.runtime.dependency import fork, join
+from fxpipe.runtime.recording import Recorder
 from fxpipe.runtime.schedule import clock_cycles
 from fxpipe.runtime.stream import (
     AbstractStream,
@@ -31,7 +32,7 @@ from fxpipe.runtime.stream import (
     new_stream,
     normalize_device,
 )
-from fxpipe.runtime.worker import InQueue, OutQueue, Result, Task, spawn_workers
+from fxpipe.runtime.worker import InQueue, OutQueue, Result, Task, WorkerPool
 
 __all__ = ["Executor", "CHECKPOINT_MODES"]
 
@@ -72,6 +73,9 @@ class Executor:
     checkpointed.
     """
 
+    #: Times every cell while set (``fxpipe.record``); ``None`` costs one test per cell.
+    recorder: Recorder | None = None
+
     def __init__(
         self,
         program: StageProgram,
@@ -102,6 +106,8 @@ class Executor:
                 self._last_use[name] = j
         self._known = set(program.graph_inputs).union(*program.outputs)
         self._copy_streams: dict[tuple[torch.device, int], AbstractStream] = {}
+        #: One worker thread per distinct device, kept across runs (stopped on failure).
+        self.workers = WorkerPool()
 
     def checkpoint_stop(self, m: int, j: int) -> int:
         """Micro-batches ``i < checkpoint_stop(m, j)`` of stage ``j`` run checkpointed."""
@@ -117,8 +123,10 @@ class Executor:
         once the tick it happened in has drained; later ticks never start.
         """
         run = self._start(batches, wanted)
+        if self.recorder is not None:
+            self.recorder.begin_run()
         m, n = len(batches), self.program.num_stages
-        with spawn_workers(self.devices) as (in_queues, out_queues):
+        with self.workers.session(self.devices) as (in_queues, out_queues):
             for cells in clock_cycles(m, n):
                 self._fence(cells, run)
                 self._compute(cells, run, in_queues, out_queues)
@@ -168,7 +176,7 @@ class Executor:
         for i, j in cells:
             phonies = self._fork_outputs(run.envs[i - 1], j) if run.grad and i > 0 else []
             device = self.devices[j]
-            args = [self._fetch(run, i, name, device) for name in self.program.inputs[j]]
+            args = [self._fetch(run, (i, j), name, device) for name in self.program.inputs[j]]
             run.args[(i, j)] = self._join_inputs(args, phonies)
             self._release(run, i, j)
 
@@ -207,19 +215,19 @@ class Executor:
                 for device in self._distinct_devices:
                     run.copies[i].pop((name, device), None)
 
-    def _fetch(self, run: _Run, i: int, name: str, device: torch.device) -> Any:
+    def _fetch(self, run: _Run, cell: Cell, name: str, device: torch.device) -> Any:
         """The value ``name`` of micro-batch ``i`` on ``device``, copied once per device."""
-        cache = run.copies[i]
+        cache = run.copies[cell[0]]
         key = (name, device)
         if key not in cache:
-            cache[key] = self._move(run.envs[i][name], i, device)
+            cache[key] = self._move(run.envs[cell[0]][name], cell, device)
         return cache[key]
 
-    def _move(self, value: Any, i: int, device: torch.device) -> Any:
+    def _move(self, value: Any, cell: Cell, device: torch.device) -> Any:
         if isinstance(value, torch.Tensor):
             if normalize_device(value.device) == device:
                 return value
-            return self._transfer((value,), i, normalize_device(value.device), device)[0]
+            return self._transfer((value,), cell, normalize_device(value.device), device)[0]
         leaves, spec = tree_flatten(value)
         groups: dict[torch.device, list[int]] = {}
         for k, leaf in enumerate(leaves):
@@ -228,20 +236,29 @@ class Executor:
         if not groups:
             return value
         for source, ks in groups.items():
-            moved = self._transfer(tuple(leaves[k] for k in ks), i, source, device)
+            moved = self._transfer(tuple(leaves[k] for k in ks), cell, source, device)
             for k, tensor in zip(ks, moved, strict=True):
                 leaves[k] = tensor
         return tree_unflatten(leaves, spec)
 
     def _transfer(
-        self, tensors: tuple[torch.Tensor, ...], i: int, source: torch.device, dest: torch.device
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        cell: Cell,
+        source: torch.device,
+        dest: torch.device,
     ) -> tuple[torch.Tensor, ...]:
         """Copy on the copy streams of micro-batch ``i``, ordered against both compute streams."""
+        i = cell[0]
         prev, nxt = self.copy_stream(source, i), self.copy_stream(dest, i)
         compute_prev, compute_next = current_stream(source), current_stream(dest)
         if is_cuda(prev):
             tensors = wait(tensors, compute_prev, prev)
-        tensors = copy(tensors, prev, nxt)
+        if self.recorder is None:
+            tensors = copy(tensors, prev, nxt)
+        else:
+            move = functools.partial(copy, prev_stream=prev, next_stream=nxt)
+            tensors = self.recorder.transfer(move, tensors, cell, (source, dest), nxt)
         if is_cuda(nxt):
             tensors = wait(tensors, nxt, compute_next)
         return tensors
@@ -257,6 +274,7 @@ class Executor:
         self, cells: list[Cell], run: _Run, in_queues: list[InQueue], out_queues: list[OutQueue]
     ) -> None:
         pending: list[tuple[int, int, Checkpointing | None]] = []
+        recorder = self.recorder
         for i, j in cells:
             args = tuple(run.args.pop((i, j)))
             module, device = self.program.modules[j], self.devices[j]
@@ -266,6 +284,8 @@ class Executor:
                 if checkpointing is not None
                 else functools.partial(module, *args)
             )
+            if recorder is not None:
+                compute = recorder.cell((i, j), device, module, args, checkpointing, run.grad)
             in_queues[j].put(Task(compute, stream=current_stream(device)))
             pending.append((i, j, checkpointing))
         # Drain the whole tick before raising, so no worker is left busy with this tick.

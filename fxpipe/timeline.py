@@ -1,0 +1,255 @@
+"""``fxpipe.record``: every task a pipeline ran (device, cell, phase, start and end), a
+measured bubble next to the plan's prediction, and a Gantt chart of it.
+
+    with fxpipe.record(pipe) as tl:
+        loss = criterion(pipe(x), y)
+        loss.backward()
+    print(tl.summary())
+    tl.plot("timeline.png")
+
+Put the backward inside the block: work that runs after the block is not recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fxpipe.errors import ConfigError
+from fxpipe.report import format_cost, gpipe_prediction
+from fxpipe.runtime.recording import PHASES, Recorder, Span
+
+if TYPE_CHECKING:
+    from fxpipe.ir import PipelinePlan
+    from fxpipe.pipeline import Pipeline
+
+__all__ = ["record", "Timeline", "TaskRecord", "PHASES"]
+
+#: Phases that occupy a device's compute stream (copies run on copy streams).
+COMPUTE_PHASES = ("forward", "recompute", "backward")
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task of a recorded run; times in seconds since the first task started."""
+
+    #: "forward", "recompute", "backward" or "copy".
+    phase: str
+    #: Micro-batch and stage (for a copy: the stage the value goes to in forward).
+    i: int
+    j: int
+    device: str
+    start: float
+    end: float
+    #: Which forward call of the recording the task belongs to (0, 1, ...).
+    run: int = 0
+    #: For a copy: the device the data left, and whether it carried gradients.
+    source: str | None = None
+    grad: bool = False
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def record(pipe: Pipeline) -> Timeline:
+    """Record what ``pipe`` runs inside a ``with`` block; the block yields the Timeline."""
+    return Timeline(pipe)
+
+
+class Timeline:
+    """The tasks one recording saw, with the plan they ran and the measured bubble."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        executor = getattr(pipe, "_executor", None)
+        if executor is None or not hasattr(pipe, "plan"):
+            raise ConfigError(
+                f"fxpipe.record() takes the Pipeline that fxpipe.pipeline() returned, "
+                f"not a {type(pipe).__name__}"
+            )
+        self.plan: PipelinePlan = pipe.plan
+        self.devices: tuple[str, ...] = tuple(str(d) for d in pipe.devices)
+        self.chunks: int = pipe.chunks
+        self.checkpoint: str = pipe.checkpoint
+        self.tasks: list[TaskRecord] = []
+        self._executor = executor
+        self._recorder: Recorder | None = None
+
+    def __enter__(self) -> Timeline:
+        if self._executor.recorder is not None:
+            raise ConfigError("this pipeline is already being recorded; nest no fxpipe.record()")
+        recorder = Recorder()
+        recorder.start(self._executor.devices)
+        self._recorder = recorder
+        self._executor.recorder = recorder
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._executor.recorder = None
+        if self._recorder is not None:
+            self.tasks = _records(self._recorder.close())
+            self._recorder = None
+
+    # ------------------------------------------------------------------ measurements
+
+    def of(self, phase: str) -> list[TaskRecord]:
+        """The tasks of one phase, by start time."""
+        return [t for t in self.tasks if t.phase == phase]
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first task's start to the last task's end."""
+        return max((t.end for t in self.tasks), default=0.0)
+
+    def busy(self, j: int, phases: Iterable[str] = COMPUTE_PHASES) -> float:
+        """Seconds stage ``j`` computed (overlapping tasks counted once)."""
+        wanted = set(phases)
+        return _union([(t.start, t.end) for t in self.tasks if t.j == j and t.phase in wanted])
+
+    def bubble(self) -> float:
+        """Measured idle fraction: per distinct device, the share of the makespan it did not
+        compute, averaged over the devices."""
+        if not self.tasks or self.makespan <= 0:
+            return 0.0
+        idle = []
+        for device in dict.fromkeys(self.devices):
+            spans = [
+                (t.start, t.end)
+                for t in self.tasks
+                if t.phase in COMPUTE_PHASES and self.devices[t.j] == device
+            ]
+            idle.append(1.0 - _union(spans) / self.makespan)
+        return sum(idle) / len(idle)
+
+    def predicted_bubble(self) -> float:
+        """The plan's GPipe bubble for this run's chunks (one device per stage, no transfers)."""
+        return gpipe_prediction(self.plan, self.chunks)[0]
+
+    # ------------------------------------------------------------------ views
+
+    def summary(self) -> str:
+        """Per stage: measured time by phase and share, next to the plan's cost and share."""
+        head = (
+            "stage",
+            "device",
+            "forward",
+            "recompute",
+            "backward",
+            "copy",
+            "busy",
+            "share",
+            "plan cost",
+            "plan share",
+        )
+        rows = [self._row(j) for j in range(len(self.devices))]
+        widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+        table = [
+            "  ".join(
+                c.rjust(w) if k != 1 else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))
+            )
+            for r in [head, *rows]
+        ]
+        table.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join([self._title(), "", *table, "", *self._notes()])
+
+    def _title(self) -> str:
+        runs = len({t.run for t in self.tasks})
+        counts = ", ".join(f"{len(self.of(p))} {p}" for p in PHASES if self.of(p))
+        return (
+            f"Timeline: {runs} run(s), chunks={self.chunks}, checkpoint={self.checkpoint!r}; "
+            f"{len(self.tasks)} tasks ({counts or 'none'}) in {self.makespan * 1e3:.1f} ms"
+        )
+
+    def _row(self, j: int) -> list[str]:
+        total = sum(self.busy(k) for k in range(len(self.devices))) or 1.0
+        stage = self.plan.stages[j]
+        ms = [self.busy(j, [p]) * 1e3 for p in PHASES if p != "copy"]
+        copy = sum(t.duration for t in self.tasks if t.j == j and t.phase == "copy") * 1e3
+        return [
+            str(j),
+            self.devices[j],
+            f"{ms[0]:.2f} ms",
+            f"{ms[1]:.2f} ms",
+            f"{ms[2]:.2f} ms",
+            f"{copy:.2f} ms",
+            f"{self.busy(j) * 1e3:.2f} ms",
+            f"{100 * self.busy(j) / total:.1f}%",
+            format_cost(stage.cost, self.plan.costs.unit),
+            f"{100 * stage.cost / (self.plan.total_cost or 1.0):.1f}%",
+        ]
+
+    def _notes(self) -> list[str]:
+        notes = [
+            f"measured bubble:  {100 * self.bubble():.1f}% (idle share of each device's time "
+            "between the first task and the last, averaged over devices)",
+            f"predicted bubble: {100 * self.predicted_bubble():.1f}% for chunks={self.chunks} "
+            "(GPipe, one device per stage; recompute and transfers not counted)",
+        ]
+        if len(set(self.devices)) < len(self.devices):
+            notes.append(
+                "note: several stages share a device, so they take turns on it and the measured "
+                "bubble is not comparable with the prediction"
+            )
+        return notes
+
+    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Write the Gantt chart (.png, .svg or .pdf; needs matplotlib)."""
+        from fxpipe.viz import CHART_FORMATS, output_path, save_figure, timeline_figure
+
+        target, _ = output_path(path, CHART_FORMATS)
+        save_figure(timeline_figure(self, title=title), target)
+        return target
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write the tasks as Chrome trace JSON (chrome://tracing, ui.perfetto.dev)."""
+        from fxpipe.viz import output_path
+
+        target, _ = output_path(path, ("json",))
+        events = [
+            {
+                "name": f"{t.phase} {t.i}",
+                "cat": t.phase,
+                "ph": "X",
+                "ts": t.start * 1e6,
+                "dur": t.duration * 1e6,
+                "pid": t.device,
+                "tid": f"stage {t.j}",
+                "args": {"micro_batch": t.i, "stage": t.j, "run": t.run},
+            }
+            for t in self.tasks
+        ]
+        target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        return target
+
+
+def _records(spans: Sequence[Span]) -> list[TaskRecord]:
+    """Spans as TaskRecords, on a clock that starts at the first span."""
+    origin = min((s.start for s in spans), default=0.0)
+    return [
+        TaskRecord(
+            phase=s.phase,
+            i=s.i,
+            j=s.j,
+            device=str(s.device),
+            start=s.start - origin,
+            end=s.end - origin,
+            run=s.run,
+            source=None if s.source is None else str(s.source),
+            grad=s.grad,
+        )
+        for s in spans
+    ]
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals ``spans``."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total

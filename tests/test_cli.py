@@ -1,0 +1,155 @@
+"""``fxpipe inspect``: end to end on the examples factory, and every bad input it refuses."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fxpipe import cli
+from fxpipe.factory import load_factory, parse_shape
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = "examples/factories.py:unet"
+FAST = ["--shape", "2,3,16,16", "--devices", "cpu,cpu", "--cost", "flops"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models; immune to a busy machine
+    return subprocess.run(
+        [sys.executable, "-m", "fxpipe", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+
+
+def test_inspect_end_to_end(tmp_path: Path) -> None:
+    html, dot = tmp_path / "report.html", tmp_path / "plan.dot"
+    done = _cli(
+        "inspect", FACTORY, *FAST, "--chunks", "2", "--run", "--html", str(html), "--dot", str(dot)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "PipelinePlan: 2 stages" in done.stdout and "bottleneck:" in done.stdout
+    assert "Timeline:" in done.stdout and "measured bubble" in done.stdout
+    assert done.stderr == ""  # no terminal: no progress line
+    text = html.read_text()
+    assert text.startswith("<!DOCTYPE html>") and 'id="timeline"' in text
+    assert dot.read_text().startswith("digraph plan {")
+
+
+def test_bad_input_exits_2_without_traceback() -> None:
+    done = _cli("inspect", "examples/factories.py:nothing_here", "--shape", "2,3,16,16")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr
+    assert "nothing_here" in done.stderr
+
+
+def test_console_script_entry_point() -> None:
+    scripts = importlib.metadata.entry_points(group="console_scripts")
+    (script,) = [e for e in scripts if e.name == "fxpipe"] or [None]
+    if script is None:
+        pytest.skip("fxpipe is not installed with its console script")
+    assert script.value == "fxpipe.__main__:main" and script.load() is cli.main
+
+
+def _main(capsys: Any, *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["no_such_package.models:make", "--shape", "2,3"],
+            "cannot import module 'no_such_package",
+        ),
+        (["examples/missing.py:unet", "--shape", "2,3"], "'examples/missing.py' does not exist"),
+        (["examples/factories.py", "--shape", "2,3"], "must look like package.module:function"),
+        (["examples/factories.py:DoubleConv.nope", "--shape", "2"], "no attribute"),
+        ([FACTORY, "--shape", "8,a,3"], "shape '8,a,3' does not parse"),
+        ([FACTORY, "--shape", "0,3"], "shape '0,3' does not parse"),
+        ([FACTORY, "--input", "torch.randn(2, 3, 16"], "--input 'torch.randn"),
+        ([FACTORY, "--input", "open('x')"], "name 'open' is not defined"),
+        ([FACTORY, "--input", "3"], "with no tensor"),
+        ([FACTORY], "give the example input"),
+        ([FACTORY, *FAST, "--html", "no/such/folder/r.html"], "folder 'no/such/folder'"),
+        ([FACTORY, *FAST, "--draw", "plan.gif"], "'plan.gif'.*suffix must be one of .svg"),
+        ([FACTORY, *FAST, "--balance", "b.dot"], "suffix must be one of .png"),
+        ([FACTORY, *FAST, "--chunks", "0"], "--chunks 0"),
+        ([FACTORY, "--shape", "2,3,16,16", "--devices", "cpu,tpu:9"], "tpu"),
+        (["math:pi", "--shape", "2"], "is a float, not a callable"),
+        (["math:sqrt", "--shape", "2"], "calling factory 'math:sqrt' failed"),
+        (["os:getcwd", "--shape", "2"], "returned a str, not an nn.Module"),
+    ],
+)
+def test_bad_inputs(capsys: Any, monkeypatch: Any, args: list[str], message: str) -> None:
+    monkeypatch.chdir(ROOT)
+    code, out, err = _main(capsys, "inspect", *args)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ")
+    assert re.search(message, err), err
+
+
+def test_module_factory_and_tuple_input(capsys: Any, monkeypatch: Any, tmp_path: Path) -> None:
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n\n"
+        "class Two(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)\n"
+        "    def forward(self, x, y):\n"
+        "        return self.b(torch.relu(self.a(x)) + y)\n\n"
+        "def make():\n"
+        "    return Two()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _main(
+        capsys,
+        "inspect",
+        "my_models:make",
+        "--input",
+        "(torch.randn(4, 4), torch.randn(4, 4))",
+        "--devices",
+        "cpu,cpu",
+        "--cost",
+        "params",
+    )
+    assert code == 0, err
+    assert "PipelinePlan: 2 stages" in out
+
+
+def test_helpers() -> None:
+    assert parse_shape("8, 3, 224, 224") == parse_shape("8x3x224x224") == (8, 3, 224, 224)
+    assert parse_shape("(4,)") == (4,)
+    assert load_factory(f"{ROOT / 'examples' / 'factories.py'}:gpt").__name__ == "gpt"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_only_on_a_terminal() -> None:
+    quiet = io.StringIO()
+    with cli._progress("fxpipe: planning", quiet):
+        pass
+    assert quiet.getvalue() == ""
+    loud = _Terminal()
+    with cli._progress("fxpipe: planning", loud):
+        from fxpipe.passes import cost_model
+
+        assert cost_model._Pricer.run_node.__name__ == "run_node"
+    assert "fxpipe: planning: done in" in loud.getvalue()
