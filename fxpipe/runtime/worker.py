@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "InQueue",
     "OutQueue",
     "spawn_workers",
+    "WorkerPool",
 ]
 
 #: ``(True, value)`` when a task returned, ``(False, exc_info)`` when it raised, where
@@ -106,7 +108,12 @@ class Task:
             return False, exc_info
 
 
-def _worker(device: torch.device, in_queue: InQueue, out_queue: OutQueue) -> None:
+def _worker(
+    device: torch.device, num_threads: int, in_queue: InQueue, out_queue: OutQueue
+) -> None:
+    # A new thread starts with the process's default intra-op thread count, not the one the
+    # caller set: without this, every op in the worker may spin up a fresh OpenMP team.
+    torch.set_num_threads(num_threads)
     with use_device(device):
         while True:
             task = in_queue.get()
@@ -115,17 +122,73 @@ def _worker(device: torch.device, in_queue: InQueue, out_queue: OutQueue) -> Non
             out_queue.put(task.run())
 
 
+Workers: TypeAlias = "dict[torch.device, tuple[InQueue, OutQueue, threading.Thread]]"
+
+
 def _start(device: torch.device) -> tuple[InQueue, OutQueue, threading.Thread]:
     in_queue: InQueue = Queue()
     out_queue: OutQueue = Queue()
     thread = threading.Thread(
         target=_worker,
-        args=(device, in_queue, out_queue),
+        args=(device, torch.get_num_threads(), in_queue, out_queue),
         name=f"fxpipe-worker-{device}",
         daemon=True,
     )
     thread.start()
     return in_queue, out_queue, thread
+
+
+def _stop(workers: Workers) -> None:
+    """Send every thread its stop sentinel and join it (a task in progress finishes first)."""
+    for in_queue, _, _ in workers.values():
+        in_queue.put(None)
+    for _, _, thread in workers.values():
+        thread.join()
+    workers.clear()
+
+
+class WorkerPool:
+    """Worker threads that live as long as their owner, one per distinct device.
+
+    Starting threads on every run costs more than the run on small stages (and each new
+    thread pays OpenMP's start-up again), so a pool keeps them. A run that ends in an
+    exception closes the pool, so no task of a failed run can answer the next one; the
+    threads stop when the pool is closed or garbage-collected.
+    """
+
+    def __init__(self) -> None:
+        self._workers: Workers = {}
+        self._finalizer = weakref.finalize(self, _stop, self._workers)
+
+    def queues(
+        self, devices: Sequence[torch.device | str | int]
+    ) -> tuple[list[InQueue], list[OutQueue]]:
+        """In/out queues aligned with ``devices``; equal devices share one thread."""
+        normalized = [normalize_device(d) for d in devices]
+        for device in normalized:
+            alive = device in self._workers and self._workers[device][2].is_alive()
+            if not alive:
+                self._workers[device] = _start(device)
+        return [self._workers[d][0] for d in normalized], [self._workers[d][1] for d in normalized]
+
+    @contextmanager
+    def session(
+        self, devices: Sequence[torch.device | str | int]
+    ) -> Iterator[tuple[list[InQueue], list[OutQueue]]]:
+        """The queues for one run; if the run raises (KeyboardInterrupt included), the
+        threads are stopped and joined before the exception leaves."""
+        try:
+            yield self.queues(devices)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        _stop(self._workers)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [thread for _, _, thread in self._workers.values()]
 
 
 @contextmanager
@@ -139,15 +202,8 @@ def spawn_workers(
     exception or KeyboardInterrupt, every thread gets a stop sentinel and is joined (a task
     in progress finishes first), so no thread outlives the block.
     """
-    workers: dict[torch.device, tuple[InQueue, OutQueue, threading.Thread]] = {}
+    pool = WorkerPool()
     try:
-        normalized = [normalize_device(d) for d in devices]
-        for device in normalized:
-            if device not in workers:
-                workers[device] = _start(device)
-        yield [workers[d][0] for d in normalized], [workers[d][1] for d in normalized]
+        yield pool.queues(devices)
     finally:
-        for in_queue, _, _ in workers.values():
-            in_queue.put(None)
-        for _, _, thread in workers.values():
-            thread.join()
+        pool.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from fxpipe.runtime.worker import Task, capture_thread_state, spawn_workers
+from fxpipe.runtime.worker import Task, WorkerPool, capture_thread_state, spawn_workers
 
 
 def _workers() -> set[threading.Thread]:
@@ -113,3 +114,52 @@ def test_capture_thread_state() -> None:
 def test_cuda_worker_runs_on_its_device() -> None:
     index = _run(Task(torch.cuda.current_device), "cuda:0")
     assert index == 0
+
+
+def test_pool_reuses_its_threads_and_stops_them_when_closed() -> None:
+    pool = WorkerPool()
+    names = set()
+    for _ in range(3):
+        with pool.session(["cpu", "cpu:0"]) as (in_queues, out_queues):
+            in_queues[0].put(Task(lambda: threading.current_thread().name))
+            ok, name = out_queues[0].get()
+            assert ok
+            names.add(name)
+    assert len(names) == 1 and len(pool.threads) == 1
+    thread = pool.threads[0]
+    pool.close()
+    assert not thread.is_alive() and pool.threads == []
+
+
+def test_pool_threads_use_the_callers_intra_op_thread_count() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pool = WorkerPool()
+        in_queues, out_queues = pool.queues(["cpu"])
+        in_queues[0].put(Task(torch.get_num_threads))
+        assert out_queues[0].get() == (True, 1)
+        pool.close()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_failed_session_stops_the_threads_and_the_pool_starts_afresh() -> None:
+    pool = WorkerPool()
+    with pytest.raises(KeyboardInterrupt), pool.session(["cpu"]):
+        raise KeyboardInterrupt
+    assert pool.threads == []
+    with pool.session(["cpu"]) as (in_queues, out_queues):
+        in_queues[0].put(Task(lambda: 7))
+        assert out_queues[0].get() == (True, 7)
+    pool.close()
+
+
+def test_a_pool_that_is_garbage_collected_stops_its_threads() -> None:
+    pool = WorkerPool()
+    pool.queues(["cpu"])
+    thread = pool.threads[0]
+    del pool
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
