@@ -10,11 +10,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten_with_path
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from fxpipe.binding import argument_name
 from fxpipe.devices import device_capacity, normalize_devices, parse_device
-from fxpipe.errors import ConfigError, InputError
+from fxpipe.errors import ConfigError, DeviceError, InputError, PlanError
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.passes.cost_model import COST_MODES, estimate_costs
 from fxpipe.passes.nx_graph import to_networkx
@@ -22,7 +23,7 @@ from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
-from fxpipe.tracing import Traced, trace
+from fxpipe.tracing import Traced, _preserved, trace
 
 __all__ = ["plan", "pipeline", "compile_model", "Compiled"]
 
@@ -102,6 +103,7 @@ def pipeline(
         checkpoint=checkpoint,
         slack=slack,
     )
+    _check_meta_stages(model, compiled.plan.devices)
     if deferred_batch_norm and compiled.traced.tracer != "fx":
         raise ConfigError(
             "deferred_batch_norm=True needs a model traced with torch.fx (this one needed "
@@ -140,6 +142,8 @@ def compile_model(
     args = _example_args(example_input)
     batch = _example_batch(inspect.signature(model.forward), args, example_kwargs or {})
     traced = trace(model, args, example_kwargs, tracer=tracer)
+    with _preserved(model):  # fake runs may still write into real buffers
+        _check_outputs_follow_batch(traced, batch)
     mode_name = _cost_mode(cost, traced.graph_module, targets, model)
     costs = estimate_costs(
         traced.graph_module,
@@ -162,6 +166,20 @@ def compile_model(
     )
     program = split_stages(the_plan, traced.output_spec, mode=mode)
     return Compiled(traced, the_plan, program)
+
+
+def _check_meta_stages(model: nn.Module, devices: Sequence[torch.device]) -> None:
+    """Tensors with data cannot move onto ``meta`` stages (a model on meta may run there)."""
+    if not any(d.type == "meta" for d in devices):
+        return
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    real = next(((n, t.device) for n, t in tensors if not t.is_meta), None)
+    if real is not None:
+        raise DeviceError(
+            f"devices {[str(d) for d in devices]} include 'meta', which holds no data, but "
+            f"the model's {real[0]!r} is on {real[1]}; run the stages on cpu or cuda "
+            "(fxpipe.plan accepts meta devices)"
+        )
 
 
 def _check_runtime_options(chunks: int | None, checkpoint: str, deferred_bn: bool) -> None:
@@ -228,3 +246,85 @@ def _example_batch(
     if batch == 0:
         raise InputError("the example batch is empty (size 0); pass at least one sample")
     return int(batch)
+
+
+def _check_outputs_follow_batch(traced: Traced, batch: int) -> None:
+    """Micro-batch outputs are joined along dim 0, so every tensor the model returns must
+    grow with the batch (dim 0 in proportion, other dims fixed) and every other value must
+    not depend on it. Checked on fake tensors at the example's batch and one more; a graph
+    that does not run on fake tensors is not checked."""
+    gm = traced.graph_module
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if not any(isinstance(a, fx.Node) for a in output.args[0]):
+        return
+    runs = []
+    for size in (batch, batch + 1):
+        runner = _FakeRun(gm)
+        try:
+            runs.append(runner.outputs(traced.example_values, size))
+        except DataDependentOutputException as e:
+            node = runner.node
+            if node is not None and node in output.args[0]:
+                raise PlanError(
+                    f"output value {node.name!r} ({node.format_node()}) is read "
+                    "out of a tensor into Python: each micro-batch would return its own; "
+                    "return the tensor instead"
+                ) from e
+            return
+        except Exception:
+            return
+    for leaf, a, b in zip(output.args[0], *runs, strict=True):
+        name = leaf.name if isinstance(leaf, fx.Node) else repr(leaf)
+        if isinstance(a, _Shape) and isinstance(b, _Shape):
+            same_rest = len(a) == len(b) > 0 and a[1:] == b[1:]
+            if not (same_rest and a[0] * (batch + 1) == b[0] * batch):
+                raise PlanError(
+                    f"output tensor {name!r} has shape {tuple(a)} for a batch of {batch} and "
+                    f"{tuple(b)} for {batch + 1}: its dim 0 is not the batch, so micro-batches "
+                    "cannot be joined into it; return per-sample values (batch first) and "
+                    "reduce outside the model"
+                )
+        elif not _same(a, b):
+            raise PlanError(
+                f"output value {name!r} is {a!r} for a batch of {batch} and {b!r} for "
+                f"{batch + 1}: it depends on the batch size, so each micro-batch would return "
+                "its own; return it as a batch-first tensor or compute it outside the model"
+            )
+
+
+class _Shape(tuple[int, ...]):
+    """The shape of a tensor leaf (a tuple leaf of the output is a value, not this)."""
+
+
+class _FakeRun(fx.Interpreter):
+    """Runs a graph on fake tensors with another batch size; remembers the node it is at."""
+
+    node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.node = n
+        return super().run_node(n)
+
+    def outputs(self, values: tuple[Any, ...], batch: int) -> list[Any]:
+        """Each output leaf: a tensor's shape as a tuple, any other value as it is."""
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+        def fake(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.ndim == 0:
+                return t
+            return torch.zeros((batch, *t.shape[1:]), dtype=t.dtype, device=t.device)
+
+        with mode, torch.no_grad():
+            flat = self.run(*tree_map(fake, values))
+        return [_Shape(x.shape) if isinstance(x, torch.Tensor) else x for x in flat]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values; two objects that only compare by identity count as the same."""
+    equality: object = type(a).__eq__
+    if a is b or (type(a) is type(b) and equality is object.__eq__):
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False

@@ -52,7 +52,7 @@ def argument_name(signature: inspect.Signature, path: Sequence[Any]) -> str:
     ``inputs[1]``, ``batch['x']``."""
     if len(path) < 2:
         return describe_path(path)
-    group, key, rest = path[0], path[1], describe_path(path[2:])
+    group, key, rest = path[0], path[1], "".join(str(k) for k in path[2:])
     if getattr(group, "idx", None) == 1:
         return f"{getattr(key, 'key', key)}{rest}"
     index = int(getattr(key, "idx", 0))
@@ -123,9 +123,35 @@ class InputBinder:
             )
         for leaf, value in zip(self.leaves, flat):
             self._check_leaf(leaf, value)
+        self._check_batch(flat)
         if self.kind == "leaves":
             return tuple(flat[int(i)] for i in self.targets)
         return tuple(bound.arguments[str(name).lstrip("*")] for name in self.targets)
+
+    def _check_batch(self, flat: Sequence[Any]) -> None:
+        """Every tensor traced with a batch dimension has one, of the same non-zero size."""
+        first: tuple[str, int] | None = None
+        for leaf, value in zip(self.leaves, flat):
+            if not leaf.is_tensor or leaf.ndim == 0:
+                continue
+            shape = tuple(value.shape)
+            if not shape:
+                raise InputError(
+                    f"argument {leaf.where} is a 0-dim tensor but was traced with a batch "
+                    "dimension; dim 0 of every tensor input is the batch: give it one"
+                )
+            if first is None:
+                first = (leaf.where, shape[0])
+                if shape[0] == 0:
+                    raise InputError(
+                        f"argument {leaf.where} has an empty batch (shape {shape}); pass at "
+                        "least one sample"
+                    )
+            elif shape[0] != first[1]:
+                raise InputError(
+                    f"argument {leaf.where} has shape {shape}, batch size {shape[0]}, but "
+                    f"{first[0]} has {first[1]}; dim 0 of every tensor input is the batch"
+                )
 
     def _check_leaf(self, leaf: _Leaf, value: Any) -> None:
         if not leaf.is_tensor:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import io
+import operator
 import os
 import traceback
 import types
@@ -66,12 +68,20 @@ def trace(
     failures: list[tuple[str, BaseException]] = []
     for name in ("fx", "export") if tracer == "auto" else (tracer,):
         try:
-            with _preserved(model):
-                return _TRACE[name](model, signature, bound)
+            with _preserved(model) as kept:
+                traced = _TRACE[name](model, signature, bound)
+            if name == "fx" and kept.written:  # fx ran them once, at trace time only
+                raise RuntimeError(
+                    f"forward writes into buffer(s) {', '.join(map(repr, kept.written))} in "
+                    "place with values torch.fx cannot trace, so the graph would not update them"
+                )
         except TraceError:
             raise
         except Exception as e:  # any tracer failure: try the next one, report all
             failures.append((name, e))
+            continue
+        _clone_mutated_inputs(traced.graph_module)
+        return traced
     raise _trace_error(model, failures)
 
 
@@ -139,7 +149,8 @@ def _trace_export(
         k: tree_map(lambda t: {0: batch} if _is_batched(t) else None, v)
         for k, v in bound.arguments.items()
     }
-    with contextlib.redirect_stdout(io.StringIO()):  # export prints partial graphs on failure
+    quiet = io.StringIO()  # export prints partial graphs on failure
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         program = torch.export.export(
             model, tuple(bound.args), dict(bound.kwargs), strict=False, dynamic_shapes=dynamic
         )
@@ -168,6 +179,42 @@ def _holds_tensor(value: Any) -> bool:
 
 def _is_batched(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim > 0
+
+
+def _clone_mutated_inputs(gm: fx.GraphModule) -> None:
+    """Make the graph write into a copy of any input it modifies in place.
+
+    Micro-batches are views of the caller's tensor that share one version counter, and a
+    checkpointed stage runs again from its saved inputs: a write into an input would
+    invalidate the other micro-batches' saved tensors and be applied twice. (The caller's
+    tensor is therefore left as it was, where the eager model would have modified it.)
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    written = {_written_input(gm, node) for node in graph.nodes} - {None}
+    for source in (n for n in placeholders if n in written):
+        with graph.inserting_after(placeholders[-1]):
+            copy = graph.call_function(_clone_leaves, (source,))
+        source.replace_all_uses_with(copy, delete_user_cb=functools.partial(operator.is_not, copy))
+    if written:
+        graph.lint()
+        gm.recompile()
+
+
+def _clone_leaves(value: Any) -> Any:
+    """``value`` with every tensor in it cloned (a model input the graph writes into)."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _written_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The placeholder ``node`` writes into in place, directly or through views."""
+    from fxpipe.passes.ops import is_view, mutated_input
+
+    value: fx.Node | None = mutated_input(gm, node)
+    while value is not None and value.op != "placeholder":
+        parent = value.args[0] if value.args else None
+        value = parent if is_view(value) and isinstance(parent, fx.Node) else None
+    return value
 
 
 def _plain_placeholders(graph: fx.Graph) -> None:
@@ -299,16 +346,25 @@ class _preserved:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _preserved:
         self.modes = [(m, m.training) for m in self.model.modules()]
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers() if not b.is_meta]
+        self.buffers = [
+            (name, b, b.detach().clone(), b._version)
+            for name, b in self.model.named_buffers()
+            if not b.is_meta
+        ]
         self.rng = torch.random.get_rng_state()
+        #: Buffers that tracing wrote into (then restored).
+        self.written: list[str] = []
+        return self
 
     def __exit__(self, *exc: object) -> None:
         for m, mode in self.modes:
             m.training = mode
         with torch.no_grad():
-            for b, saved in self.buffers:
+            for name, b, saved, version in self.buffers:
+                if b._version != version:
+                    self.written.append(name)
                 if b.shape == saved.shape:
                     b.copy_(saved)
         torch.random.set_rng_state(self.rng)

@@ -26,7 +26,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -132,6 +136,14 @@ class _Pricer(fx.Interpreter):
         try:
             with torch.enable_grad():
                 out, cost = self._price(n)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise ConfigError(
+                f"cost={self.mode!r} prices nodes on fake tensors, but node {n.name!r} "
+                f"({n.format_node()}) has an output that depends on tensor values "
+                f"({type(e).__name__}); use cost='time', which runs the nodes"
+            ) from e
+        except ConfigError:
+            raise
         except Exception as e:
             raise RuntimeError(f"pricing failed at node {n.format_node()}: {e}") from e
         self.costs[n.name] = _describe(n, out, cost, self._param_bytes(n))
@@ -147,7 +159,7 @@ class _Pricer(fx.Interpreter):
         if self.mode == "params":
             return out, float(self._param_bytes(n))
         if self.fn is not None:
-            return out, float(self.fn(n))
+            return out, _custom_cost(self.fn, n)
         return out, self._flops(n, out, counter.get_total_flops())
 
     def _flops(self, n: fx.Node, out: Any, counted: int) -> float:
@@ -192,6 +204,20 @@ class _Pricer(fx.Interpreter):
             if isinstance(value, nn.Parameter):
                 return value.numel() * value.element_size()
         return 0
+
+
+def _custom_cost(fn: CostFn, n: fx.Node) -> float:
+    value = fn(n)
+    try:
+        cost = float(value)
+    except (TypeError, ValueError):
+        cost = float("nan")
+    if not 0 <= cost < float("inf"):
+        raise ConfigError(
+            f"the cost callable returned {value!r} for node {n.name!r}; it must return a "
+            "finite number >= 0 for every node"
+        )
+    return cost
 
 
 def _describe(n: fx.Node, out: Any, cost: float, param_bytes: int) -> NodeCost:

@@ -99,6 +99,12 @@ def partition_graph(
 def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
     if num_stages < 1:
         raise PlanError(f"num_stages={num_stages} must be at least 1")
+    if units.num_units == 0:
+        raise PlanError(
+            "the traced graph computes nothing from its inputs (no call_function, call_method "
+            "or call_module node), so there is nothing to split into stages; the model must "
+            "compute its outputs from its tensor inputs"
+        )
     cuts = units.num_units - max(len(units.pinned_first), 1)  # pinned units open stage 0
     if cuts >= num_stages - 1:
         return

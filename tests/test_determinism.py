@@ -1,0 +1,87 @@
+"""The plan is a function of the model, the example and the cost mode: the same stage of every
+node and the same stage costs on every run, in this process and in fresh ones (with other
+hash seeds, so that no set or dict order leaks into the partition)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fxpipe
+
+#: Branchy and chain-like zoo models, with keyword inputs and tied weights among them.
+MODELS = ("resnet", "unet", "inception", "transformer", "multi_io_dict", "shared_module")
+MODES = ("flops", "params")
+STAGES = (3, 4)
+TESTS = Path(__file__).resolve().parent
+
+
+def plan_hashes() -> dict[str, str]:
+    """``model/mode/K`` -> a hash of ``sorted(plan.stage_of.items())`` and the stage costs."""
+    from models import ZOO
+
+    out = {}
+    for name in MODELS:
+        case = ZOO[name]
+        args, kwargs = case.example(case.batch)
+        for mode in MODES:
+            for k in STAGES:
+                plan = fxpipe.plan(
+                    case.build(),
+                    args,
+                    ["cpu"] * k,
+                    example_kwargs=kwargs,
+                    cost=mode,
+                    tracer=case.tracer,
+                )
+                text = repr((sorted(plan.stage_of.items()), [s.cost for s in plan.stages]))
+                out[f"{name}/{mode}/{k}"] = hashlib.sha256(text.encode()).hexdigest()
+    return out
+
+
+_SCRIPT = f"""
+import json, sys
+sys.path.insert(0, {str(TESTS)!r})
+from test_determinism import plan_hashes
+print(json.dumps(plan_hashes()))
+"""
+
+
+@functools.cache
+def _here() -> dict[str, str]:
+    return plan_hashes()
+
+
+def _in_fresh_processes(*hash_seeds: str) -> list[dict[str, str]]:
+    """``plan_hashes()`` of one fresh interpreter per seed, run side by side."""
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SCRIPT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONHASHSEED=seed),
+        )
+        for seed in hash_seeds
+    ]
+    results = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_the_plan_is_the_same_on_every_run_in_one_process() -> None:
+    assert len(_here()) == len(MODELS) * len(MODES) * len(STAGES)
+    assert plan_hashes() == _here()
+
+
+def test_the_plan_is_the_same_in_fresh_processes_with_other_hash_seeds() -> None:
+    first, second = _in_fresh_processes("1", "2024")
+    assert first == second == _here()
