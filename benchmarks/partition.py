@@ -44,15 +44,15 @@ from typing import Any
 import networkx as nx
 import numpy as np
 import torch
+from torch import nn
+
+from fxpipe.errors import PlanError
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.dp import min_max_split, stage_costs
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.partition import Partition, partition_graph
 from fxpipe.passes.units import Units, build_units
-from torch import nn
-
-from fxpipe.errors import PlanError
 from fxpipe.tracing import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

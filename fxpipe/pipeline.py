@@ -124,13 +124,16 @@ class Pipeline(nn.Module):
     def _check_unchanged(self) -> None:
         if _module_ids(self.module) != self._modules_at_build:
             raise ConfigError(
-                "the model's modules changed after pipeline() built its stages (a submodule "
-                "was replaced, added or removed); call fxpipe.pipeline() again on the model"
+                "the model's modules changed after pipeline() built its stages (a submodule, "
+                "parameter or buffer was replaced, added or removed); call fxpipe.pipeline() "
+                "again on the model, or change values in place (param.data.copy_(...))"
             )
 
 
 def _module_ids(model: nn.Module) -> list[tuple[str, int]]:
-    return [(name, id(m)) for name, m in model.named_modules()]
+    """Every module, parameter and buffer of the model by name and object identity."""
+    named = [*model.named_modules(), *model.named_parameters(), *model.named_buffers()]
+    return [(name, id(obj)) for name, obj in named]
 
 
 def _first_device(values: tuple[Any, ...]) -> torch.device:

@@ -29,13 +29,14 @@ class Fork(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # no gradient stays None, never becomes zeros
         phony = get_phony(input.device, requires_grad=False)
         return input.detach(), phony.detach()
 
     @staticmethod
     def backward(  # pragma: no cover - run by autograd
-        ctx: FunctionCtx, grad_input: torch.Tensor, grad_phony: torch.Tensor
-    ) -> torch.Tensor:
+        ctx: FunctionCtx, grad_input: torch.Tensor | None, grad_phony: torch.Tensor | None
+    ) -> torch.Tensor | None:
         return grad_input
 
 
@@ -44,12 +45,13 @@ class Join(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, input: torch.Tensor, phony: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         return input.detach()
 
     @staticmethod
     def backward(  # pragma: no cover - run by autograd
-        ctx: FunctionCtx, grad_input: torch.Tensor
-    ) -> tuple[torch.Tensor, None]:
+        ctx: FunctionCtx, grad_input: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, None]:
         return grad_input, None
 
 
