@@ -86,11 +86,11 @@ class Pipeline(nn.Module):
             stage.train(mode)
         return self
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own state dict (same keys as ``model.state_dict()``)."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load the model's own checkpoint; values are copied onto each stage's device."""
@@ -101,7 +101,7 @@ class Pipeline(nn.Module):
             )
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    def to(self, *args: Any, **kwargs: Any) -> Pipeline:  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> Pipeline:
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None:
             raise DeviceError(

@@ -157,6 +157,7 @@ def _trace_export(
     unlifted = program.module()
     assert isinstance(unlifted, fx.GraphModule)
     out_spec = unlifted._out_spec
+    assert out_spec is not None, "torch.export gave a module without an output spec"
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
