@@ -124,7 +124,9 @@ def assert_equals_eager(setup: Setup) -> None:
     assert threading.active_count() == setup.baseline + 1
 
 
-def _fails(setup: Setup, at: tuple[int, str], error: type[BaseException], match: str) -> Any:
+def _fails(
+    setup: Setup, at: tuple[int, str], error: type[BaseException], match: str | None
+) -> Any:
     """Arm ``at``, run a step that must raise ``error`` within a second; return the error.
 
     No thread may outlive the failed step: a failure inside the pipeline's run stops its
@@ -169,7 +171,7 @@ def test_a_fault_surfaces_fast_with_its_type_and_the_pipeline_recovers(
 def test_a_keyboard_interrupt_in_a_stage_propagates_and_leaves_the_pipeline_usable(
     setup: Setup, stage: int
 ) -> None:
-    _fails(setup, (stage, "interrupt"), KeyboardInterrupt, "")
+    _fails(setup, (stage, "interrupt"), KeyboardInterrupt, None)
     assert_equals_eager(setup)
 
 
