@@ -130,10 +130,14 @@ class Pipeline(nn.Module):
             )
 
 
-def _module_ids(model: nn.Module) -> list[tuple[str, int]]:
-    """Every module, parameter and buffer of the model by name and object identity."""
-    named = [*model.named_modules(), *model.named_parameters(), *model.named_buffers()]
-    return [(name, id(obj)) for name, obj in named]
+def _module_ids(model: nn.Module) -> list[int]:
+    """The identity of every module of the model and of each one's parameters and buffers,
+    in module order (cheap enough to compare on every call)."""
+    return [
+        id(x)
+        for m in model.modules()
+        for x in (m, *m._modules.values(), *m._parameters.values(), *m._buffers.values())
+    ]
 
 
 def _first_device(values: tuple[Any, ...]) -> torch.device:

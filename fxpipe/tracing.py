@@ -19,6 +19,7 @@ import traceback
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -289,7 +290,7 @@ def _merge_aliased_attributes(gm: fx.GraphModule) -> None:
         if not node.users:
             gm.graph.erase_node(node)
             continue
-        value = _fetch(gm, str(node.target))
+        value = attrgetter(str(node.target))(gm)
         if not isinstance(value, torch.Tensor):
             continue
         kept = first.setdefault(id(value), node)
@@ -298,13 +299,6 @@ def _merge_aliased_attributes(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
-
-
-def _fetch(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _plain(value: Any) -> Any:

@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -200,7 +201,7 @@ class _Pricer(fx.Interpreter):
             sub = self.module.get_submodule(str(n.target))
             return sum(p.numel() * p.element_size() for p in sub.parameters())
         if n.op == "get_attr":
-            value = _fetch_attr(self.module, str(n.target))
+            value = attrgetter(str(n.target))(self.module)
             if isinstance(value, nn.Parameter):
                 return value.numel() * value.element_size()
         return 0
@@ -281,13 +282,6 @@ def _backward(result: Any, wrt: list[torch.Tensor]) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _fetch_attr(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _device_of(values: Sequence[Any]) -> torch.device:

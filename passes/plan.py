@@ -11,6 +11,7 @@ Training memory of a stage (GPipe, activations re-materialised when checkpointin
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import networkx as nx
 import torch
@@ -103,7 +104,7 @@ def _param_bytes(gm: fx.GraphModule, nodes: tuple[str, ...]) -> int:
         if node.op == "call_module":
             tensors = list(gm.get_submodule(str(node.target)).parameters())
         elif node.op == "get_attr":
-            value = _fetch(gm, str(node.target))
+            value = attrgetter(str(node.target))(gm)
             tensors = [value] if isinstance(value, torch.nn.Parameter) else []
         else:
             continue
@@ -164,10 +165,3 @@ def _check_fits(stages: list[StagePlan], capacity: Sequence[int | None], chunks:
         f"the plan does not fit in device memory with chunks={chunks}:\n{rows}\n"
         "remedy: add devices, use checkpoint='always', or a smaller batch"
     )
-
-
-def _fetch(root: torch.nn.Module, target: str) -> object:
-    value: object = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

@@ -93,6 +93,9 @@ def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     pipe = fxpipe.pipeline(
         model, x, ["cpu"] * STAGES, chunks=4, checkpoint=request.param, cost="flops"
     )
+    # One CPU device runs stages in the calling thread; faults are tested on the worker
+    # threads that several devices use, where losing or leaking a thread can happen.
+    pipe._executor.use_threads = True
     yield Setup(pipe, twin, baseline)
     FAULT["at"] = None
 

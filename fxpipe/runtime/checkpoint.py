@@ -20,6 +20,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -118,17 +119,10 @@ def _batch_norm_buffers(function: Callable[..., Any]) -> list[torch.Tensor]:
     for node in function.graph.nodes:
         if node.op == "call_function" and "batch_norm" in str(node.target):
             for arg in node.all_input_nodes:
-                value = _attr(function, str(arg.target)) if arg.op == "get_attr" else None
+                value = attrgetter(str(arg.target))(function) if arg.op == "get_attr" else None
                 if isinstance(value, torch.Tensor) and id(value) in buffers:
                     found[id(value)] = value
     return list(found.values())
-
-
-def _attr(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 @contextmanager

@@ -108,6 +108,9 @@ class Executor:
         self._copy_streams: dict[tuple[torch.device, int], AbstractStream] = {}
         #: One worker thread per distinct device, kept across runs (stopped on failure).
         self.workers = WorkerPool()
+        #: Run stages in worker threads; with one distinct device there is nothing to
+        #: overlap, so by default they run in the calling thread and skip the hand-off.
+        self.use_threads = len(self._distinct_devices) > 1
 
     def checkpoint_stop(self, m: int, j: int) -> int:
         """Micro-batches ``i < checkpoint_stop(m, j)`` of stage ``j`` run checkpointed."""
@@ -126,10 +129,15 @@ class Executor:
         if self.recorder is not None:
             self.recorder.begin_run()
         m, n = len(batches), self.program.num_stages
-        with self.workers.session(self.devices) as (in_queues, out_queues):
+        if not self.use_threads:
             for cells in clock_cycles(m, n):
                 self._fence(cells, run)
-                self._compute(cells, run, in_queues, out_queues)
+                self._compute(cells, run, None)
+        else:
+            with self.workers.session(self.devices) as queues:
+                for cells in clock_cycles(m, n):
+                    self._fence(cells, run)
+                    self._compute(cells, run, queues)
         return [{name: env[name] for name in wanted} for env in run.envs]
 
     def _start(self, batches: Sequence[tuple[Any, ...]], wanted: Sequence[str]) -> _Run:
@@ -271,9 +279,14 @@ class Executor:
         return self._copy_streams[key]
 
     def _compute(
-        self, cells: list[Cell], run: _Run, in_queues: list[InQueue], out_queues: list[OutQueue]
+        self,
+        cells: list[Cell],
+        run: _Run,
+        queues: tuple[list[InQueue], list[OutQueue]] | None,
     ) -> None:
+        """Run one tick's cells: in the workers when ``queues`` are given, else here."""
         pending: list[tuple[int, int, Checkpointing | None]] = []
+        tasks: list[Task] = []
         recorder = self.recorder
         for i, j in cells:
             args = tuple(run.args.pop((i, j)))
@@ -286,10 +299,16 @@ class Executor:
             )
             if recorder is not None:
                 compute = recorder.cell((i, j), device, module, args, checkpointing, run.grad)
-            in_queues[j].put(Task(compute, stream=current_stream(device)))
+            tasks.append(Task(compute, stream=current_stream(device)))
             pending.append((i, j, checkpointing))
-        # Drain the whole tick before raising, so no worker is left busy with this tick.
-        results: list[Result] = [out_queues[j].get() for _, j, _ in pending]
+        results: list[Result]
+        if queues is None:
+            results = [task.run() for task in tasks]
+        else:
+            for (_, j, _), task in zip(pending, tasks, strict=True):
+                queues[0][j].put(task)
+            # Drain the whole tick before raising, so no worker is left busy with it.
+            results = [queues[1][j].get() for _, j, _ in pending]
         for (i, j, checkpointing), (ok, payload) in zip(pending, results, strict=True):
             if not ok:
                 raise payload[1].with_traceback(payload[2])

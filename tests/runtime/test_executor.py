@@ -69,6 +69,19 @@ def _reset_probe() -> None:
     PROBE.update(fail_at=None, calls=[], log=[], flags=[])
 
 
+@pytest.fixture(autouse=True, params=["here", "threads"])
+def _where(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs twice: stages in the calling thread (one device's default) and in
+    worker threads (what several devices use)."""
+    original = Executor.__init__
+
+    def init(self: Executor, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.use_threads = request.param == "threads"
+
+    monkeypatch.setattr(Executor, "__init__", init)
+
+
 # ------------------------------------------------------------------------ the test model
 
 
