@@ -131,7 +131,7 @@ def soak(steps: int, every: int, stages: int, chunks: int) -> dict[str, Any]:
             "chunks": chunks,
             "checkpoint": pipe.checkpoint,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "command": shlex.join([sys.executable, *sys.argv]),
+            "command": shlex.join(["python", *sys.argv]),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
