@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import chunked_step, plain_step, residual_mlp
 from torch import nn
 
 import fxpipe
@@ -106,45 +107,12 @@ DRY_SIZES = Sizes(
 # ---------------------------------------------------------------------------- model
 
 
-class Block(nn.Module):
-    """``x + fc2(relu(fc1(x)))``."""
-
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
 def make_model(
     shape: tuple[int, int, int, int], device: torch.device
 ) -> tuple[nn.Module, torch.Tensor]:
     batch, width, hidden, depth = shape
-    torch.manual_seed(0)
-    model = nn.Sequential(*[Block(width, hidden) for _ in range(depth)]).to(device)
+    model = residual_mlp(width, hidden, depth).to(device)
     return model, torch.randn(batch, width, device=device)
-
-
-def loss_of(y: torch.Tensor, total: int) -> torch.Tensor:
-    loss: torch.Tensor = y.pow(2).sum() / total
-    return loss
-
-
-def plain_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        loss_of(model(x), x.numel()).backward()
-
-    return step
-
-
-def chunked_step(model: nn.Module, x: torch.Tensor, chunks: int) -> Callable[[], None]:
-    def step() -> None:
-        for xi in x.tensor_split(chunks):
-            loss_of(model(xi), x.numel()).backward()
-
-    return step
 
 
 # ---------------------------------------------------------------------------- device

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import chunked_step, loss_of, plain_step, residual_mlp
 from torch import nn
 
 import fxpipe
@@ -93,44 +94,6 @@ MIB = 1024.0 * 1024.0
 
 
 # ---------------------------------------------------------------------------- model
-
-
-class Block(nn.Module):
-    """``x + fc2(relu(fc1(x)))``."""
-
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-def residual_mlp(width: int, hidden: int, depth: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block(width, hidden) for _ in range(depth)])
-
-
-def loss_of(y: torch.Tensor, total: int) -> torch.Tensor:
-    """Sum of squares over ``total`` elements: the mean over the batch, also per chunk."""
-    loss: torch.Tensor = y.pow(2).sum() / total
-    return loss
-
-
-def plain_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    def step() -> None:
-        loss_of(model(x), x.numel()).backward()
-
-    return step
-
-
-def chunked_step(model: nn.Module, x: torch.Tensor, chunks: int) -> Callable[[], None]:
-    def step() -> None:
-        for xi in x.tensor_split(chunks):
-            loss_of(model(xi), x.numel()).backward()
-
-    return step
 
 
 def build(
