@@ -93,13 +93,14 @@ def large_transformer() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
     return model, (idx,), {"attention_mask": mask}
 
 
-def benchmark_models() -> list[tuple[str, str, str, Callable[[], Any]]]:
-    """(name, kind, tracer, build) for every zoo model and the larger transformer."""
+def benchmark_models(batch: int | None = None) -> list[tuple[str, str, str, Callable[[], Any]]]:
+    """(name, kind, tracer, build) for every zoo model (at ``batch``, default each model's
+    own) and the larger transformer."""
     out = []
     for name, case in ZOO.items():
 
         def build(case: Any = case) -> Any:
-            args, kwargs = case.example(case.batch)
+            args, kwargs = case.example(batch or case.batch)
             return case.build(), args, kwargs
 
         out.append((name, case.kind, case.tracer, build))
@@ -171,9 +172,9 @@ def profile(
 # ---------------------------------------------------------------------------- table 1
 
 
-def zoo_rows(repeats: int) -> list[dict[str, Any]]:
+def zoo_rows(repeats: int, batch: int | None = None) -> list[dict[str, Any]]:
     rows = []
-    for name, kind, tracer, build in benchmark_models():
+    for name, kind, tracer, build in benchmark_models(batch):
         model, args, kwargs = build()
         model.eval()
         g, g_flops, seconds = profile(model, args, kwargs, tracer, repeats)
@@ -450,6 +451,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--repeats", type=int, default=7, help="timed runs per node when profiling (median)"
     )
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="profile every zoo model at this batch size (default: each model's own, 8)",
+    )
+    parser.add_argument(
         "--sizes",
         type=int,
         nargs="*",
@@ -468,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(header, flush=True)
 
-    zoo = zoo_rows(args.repeats)
+    zoo = zoo_rows(args.repeats, args.batch)
     print(
         "\nTable 1. Bottlenecks on profiled fwd+bwd time (ms). /exact: exact optimum over "
         "convex splits (fo: exact on the fx order only). x/fx: baseline bottleneck / fxpipe "
