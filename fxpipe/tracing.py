@@ -14,9 +14,6 @@ import functools
 import inspect
 import io
 import operator
-import os
-import traceback
-import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -29,6 +26,7 @@ from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_ma
 
 from fxpipe.binding import InputBinder, bind_arguments
 from fxpipe.errors import ConfigError, TraceError
+from fxpipe.trace_errors import trace_error
 
 __all__ = ["Traced", "trace", "TRACERS"]
 
@@ -83,7 +81,7 @@ def trace(
             continue
         _clone_mutated_inputs(traced.graph_module)
         return traced
-    raise _trace_error(model, failures)
+    raise trace_error(model, failures)
 
 
 class _Tracer(fx.Tracer):
@@ -363,51 +361,3 @@ class _preserved:
                 if b.shape == saved.shape:
                     b.copy_(saved)
         torch.random.set_rng_state(self.rng)
-
-
-def _trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) -> TraceError:
-    lines = []
-    for name, e in failures:
-        where = _where(model, e)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        lines.append(f"  {name}: {type(e).__name__}: {first}{where}")
-    return TraceError(
-        f"could not trace {type(model).__name__}:\n"
-        + "\n".join(lines)
-        + "\nremedy: remove Python control flow that depends on tensor values from forward "
-        "(use torch.where / torch.cond), or make the failing module a leaf; try "
-        "tracer='export' for control flow on shapes"
-    )
-
-
-def _where(model: nn.Module, e: BaseException) -> str:
-    """The innermost module of ``model`` whose forward was running when ``e`` was raised."""
-    paths = {id(m): p for p, m in model.named_modules()}
-    torch_dir = os.path.dirname(torch.__file__)
-    found = None
-    for frame, lineno in _frames(e):
-        code = frame.f_code
-        owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        if code.co_filename.startswith(torch_dir):
-            continue
-        if isinstance(owner, nn.Module) and id(owner) in paths:
-            path = paths[id(owner)] or "<root>"
-            found = f" (in module '{path}', {_frame_text(frame, lineno)})"
-    return found or ""
-
-
-def _frames(e: BaseException) -> list[tuple[types.FrameType, int]]:
-    """Frames of ``e``'s traceback and of the exceptions it was raised from."""
-    frames: list[tuple[types.FrameType, int]] = []
-    seen: set[int] = set()
-    current: BaseException | None = e
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        frames[:0] = list(traceback.walk_tb(current.__traceback__))
-        current = current.__cause__ or current.__context__
-    return frames
-
-
-def _frame_text(frame: types.FrameType, lineno: int) -> str:
-    code = frame.f_code
-    return f"{code.co_filename.rsplit('/', 1)[-1]}:{lineno} in {code.co_name}"
