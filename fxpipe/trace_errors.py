@@ -1,5 +1,4 @@
-"""Turns the failures of every tracer tried on a model into one TraceError a person can act on:
-the construct, the module path and the file:line where each tracer stopped, and the remedy."""
+"""One TraceError from every failed tracer: the construct, module path, file:line, remedy."""
 
 from __future__ import annotations
 
