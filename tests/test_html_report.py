@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import shutil
-from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,7 @@ from fxpipe.html_report import render_report, write_report
 pytest.importorskip("matplotlib")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is as fast, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 _VOID = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,13 +18,7 @@ from fxpipe.timeline import TaskRecord, Timeline
 K, CHUNKS, BATCH = 3, 4, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is as fast, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 RECOMPUTED = {"always": CHUNKS, "except_last": CHUNKS - 1, "never": 0}

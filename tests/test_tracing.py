@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,13 +22,7 @@ ALL = list(ZOO.values())
 FX_CASES = cases(tracer="fx")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """The models here are tiny: one intra-op thread beats two contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def traced_output(t: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import networkx as nx
@@ -21,13 +20,7 @@ from fxpipe.tracing import trace
 ALL = list(ZOO.values())
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """The models here are tiny: one intra-op thread beats two contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -6,7 +6,6 @@ import functools
 import itertools
 import random
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import networkx as nx
@@ -26,13 +25,7 @@ ALL = list(ZOO.values())
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """The models here are tiny: one intra-op thread beats two contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------- small DAGs

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,13 +24,7 @@ MODES = ["direct", "relay"]
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """The models here are tiny: one intra-op thread beats two contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
