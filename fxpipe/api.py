@@ -40,6 +40,27 @@ class Compiled:
     plan: PipelinePlan
     program: StageProgram
 
+    def pipeline(
+        self,
+        model: nn.Module,
+        *,
+        chunks: int | None = None,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+        output_device: torch.device | None = None,
+    ) -> Pipeline:
+        """The runnable Pipeline of ``model`` (the model this was compiled from)."""
+        return Pipeline(
+            model,
+            self.traced,
+            self.plan,
+            self.program,
+            chunks=self.plan.chunks if chunks is None else chunks,
+            checkpoint=checkpoint,
+            deferred_batch_norm=deferred_batch_norm,
+            output_device=output_device,
+        )
+
 
 def plan(
     model: nn.Module,
@@ -109,12 +130,9 @@ def pipeline(
             "deferred_batch_norm=True needs a model traced with torch.fx (this one needed "
             "torch.export, which fixes BatchNorm into the graph); pass deferred_batch_norm=False"
         )
-    return Pipeline(
+    return compiled.pipeline(
         model,
-        compiled.traced,
-        compiled.plan,
-        compiled.program,
-        chunks=compiled.plan.chunks if chunks is None else chunks,
+        chunks=chunks,
         checkpoint=checkpoint,
         deferred_batch_norm=deferred_batch_norm,
         output_device=out_device,

@@ -36,7 +36,6 @@ from fxpipe.errors import (
     PlanError,
     TraceError,
 )
-from fxpipe.pipeline import Pipeline
 
 CPU2 = ["cpu", "cpu"]
 CUDA_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -751,14 +750,7 @@ def test_in_place_writes_next_to_stage_borders_equal_eager(
         model, twin = _twins(factory)
         compiled = compile_model(model, x.clone(), ["cpu"] * stages, cost="flops", tracer=tracer)
         for checkpoint in ("always", "never"):
-            pipe = Pipeline(
-                model,
-                compiled.traced,
-                compiled.plan,
-                compiled.program,
-                chunks=4,
-                checkpoint=checkpoint,
-            )
+            pipe = compiled.pipeline(model, chunks=4, checkpoint=checkpoint)
             assert_equals_eager(pipe, model, twin, x)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from oracle import relative_error
 from random_models import WIDTH, Op, RandomNet, Spec, specs
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -49,12 +50,6 @@ SETTINGS = settings(
 
 def _seeded(test: Any) -> Any:
     return seed(int(SEED))(test) if SEED is not None else test
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.norm().item()
-    diff = (got - want).norm().item()
-    return diff / scale if scale > 0 else diff
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -109,14 +104,7 @@ def run_case(
     xs = [x.clone().requires_grad_(input_grad) for _ in range(2)]
     compiled, stages = _compile(model, x, stages, cost)
     check_plan(compiled.plan, stages)
-    pipe = Pipeline(
-        model,
-        compiled.traced,
-        compiled.plan,
-        compiled.program,
-        chunks=chunks,
-        checkpoint=checkpoint,
-    )
+    pipe = compiled.pipeline(model, chunks=chunks, checkpoint=checkpoint)
     got, want = pipe(xs[0]), twin(xs[1])
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
@@ -211,14 +199,7 @@ def _dead_branch_pipe(checkpoint: str) -> tuple[Pipeline, nn.Module, torch.Tenso
     torch.manual_seed(0)
     model, x = DeadBranch(), torch.randn(8, 4)
     compiled = compile_model(model, x, ["cpu"] * 3, cost="flops", tracer="fx")
-    pipe = Pipeline(
-        model,
-        compiled.traced,
-        compiled.plan,
-        compiled.program,
-        chunks=2,
-        checkpoint=checkpoint,
-    )
+    pipe = compiled.pipeline(model, chunks=2, checkpoint=checkpoint)
     return pipe, model, x
 
 
@@ -270,9 +251,7 @@ def test_an_output_of_a_checkpointed_stage_no_loss_reaches_gets_no_gradient() ->
     x = torch.randn(4, WIDTH, dtype=torch.float64)
     compiled = compile_model(model, x, ["cpu"] * 3, cost="flops", tracer="fx")
     assert compiled.program.outputs[0] == ("layers_op0", "layers_op1")
-    pipe = Pipeline(
-        model, compiled.traced, compiled.plan, compiled.program, chunks=1, checkpoint="always"
-    )
+    pipe = compiled.pipeline(model, chunks=1, checkpoint="always")
     pipe(x).sum().backward()
     assert model.layers["op0"].weight.grad is None
     assert model.layers["op1"].weight.grad is not None

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from models import ZOO, Case
+from oracle import relative_error
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -62,17 +63,6 @@ def _prepared(case: Case, train: bool, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _pipe(model: nn.Module, compiled: Compiled, chunks: int, checkpoint: str) -> Pipeline:
-    return Pipeline(
-        model,
-        compiled.traced,
-        compiled.plan,
-        compiled.program,
-        chunks=chunks,
-        checkpoint=checkpoint,
-    )
-
-
 def _loss(out: Any) -> torch.Tensor:
     """A loss that reaches every floating-point output, with fixed per-element weights."""
     leaves, _ = tree_flatten(out)
@@ -111,13 +101,6 @@ def _check(
         assert relative_error(p.grad, ref.grad) < tol, name
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want||: float32 sums in another order differ in the last bits."""
-    scale = want.double().norm().item()
-    diff = (got.double() - want.double()).norm().item()
-    return diff / scale if scale > 0 else diff
-
-
 @pytest.mark.parametrize("name,k", _cases())
 def test_outputs_and_gradients_equal_eager(name: str, k: int) -> None:
     case = ZOO[name]
@@ -125,7 +108,9 @@ def test_outputs_and_gradients_equal_eager(name: str, k: int) -> None:
     model, compiled, twin = _compiled(name, k, train)
     for chunks in CHUNKS:
         for checkpoint in MODES:
-            _check(model, twin, _pipe(model, compiled, chunks, checkpoint), case)
+            _check(
+                model, twin, compiled.pipeline(model, chunks=chunks, checkpoint=checkpoint), case
+            )
 
 
 @pytest.mark.parametrize("name", [c.name for c in ZOO.values() if "batchnorm" in c.tags])
@@ -134,7 +119,7 @@ def test_batchnorm_in_train_mode_with_one_chunk(name: str) -> None:
     for k in (2, 3):
         model, compiled, twin = _compiled(name, k, True)
         for checkpoint in MODES:
-            _check(model, twin, _pipe(model, compiled, 1, checkpoint), case)
+            _check(model, twin, compiled.pipeline(model, chunks=1, checkpoint=checkpoint), case)
         for a, b in zip(model.buffers(), twin.buffers(), strict=True):
             torch.testing.assert_close(a, b)
 
@@ -145,7 +130,7 @@ def test_float32_gradient_within_contract(name: str) -> None:
     within 1e-5 relative error of eager, for 2 stages and 4 chunks."""
     case = ZOO[name]
     model, compiled, twin = _compiled(name, 2, "batchnorm" not in case.tags, torch.float32)
-    pipe = _pipe(model, compiled, 4, "except_last")
+    pipe = compiled.pipeline(model, chunks=4, checkpoint="except_last")
     pipe._executor.use_threads = True  # the worker-thread path several devices take
     args, kwargs = _example(case, torch.float32)
     got, want = pipe(*args, **kwargs), twin(*args, **kwargs)
