@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, StageError
 from fxpipe.ir import CostTable, NodeCost
 from fxpipe.passes.ops import VIEW_OPS, op_name
 
@@ -146,7 +146,11 @@ class _Pricer(fx.Interpreter):
         except ConfigError:
             raise
         except Exception as e:
-            raise RuntimeError(f"pricing failed at node {n.format_node()}: {e}") from e
+            raise StageError(
+                f"pricing with cost={self.mode!r} failed at node {n.name!r} ({n.format_node()}): "
+                f"{type(e).__name__}: {e}; check that the model runs on the example input, "
+                "or pass another cost mode"
+            ) from e
         self.costs[n.name] = _describe(n, out, cost, self._param_bytes(n))
         return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 
 __all__ = ["split_stages", "run_stages"]
@@ -31,7 +32,7 @@ _MODES = ("direct", "relay")
 def split_stages(plan: PipelinePlan, output_spec: object, *, mode: str = "direct") -> StageProgram:
     """Stage modules for ``plan`` (built on ``plan.graph_module``, which is not modified)."""
     if mode not in _MODES:
-        raise ValueError(f"mode={mode!r} is not one of {_MODES}")
+        raise ConfigError(f"mode={mode!r} is not one of {_MODES}; pick one of them")
     gm = plan.graph_module
     nodes = list(gm.graph.nodes)
     output = nodes[-1]

@@ -243,3 +243,18 @@ def test_unknown_mode_is_a_config_error(mode: str) -> None:
         estimate_costs(t.graph_module, t.example_values, mode=mode)
     assert isinstance(info.value, ValueError) and isinstance(info.value, FxPipeError)
     assert repr(mode) in str(info.value)
+
+
+def test_a_node_that_fails_to_run_is_an_fxpipe_error_naming_it() -> None:
+    class Mismatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w  # x has 4 features: fails only when run
+
+    x = torch.randn(2, 4)
+    t = trace(Mismatch(), (x,), {}, tracer="fx")
+    with pytest.raises(FxPipeError, match="matmul"):
+        estimate_costs(t.graph_module, t.example_values, mode="time")
