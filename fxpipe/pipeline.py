@@ -55,9 +55,11 @@ class Pipeline(nn.Module):
         self.output_device = output_device
         self._traced = traced
         self._program = program
-        self._deferred = [convert_deferred_batch_norm(m) for m in program.modules] if (
-            deferred_batch_norm
-        ) else []
+        self._deferred = (
+            [convert_deferred_batch_norm(m) for m in program.modules]
+            if deferred_batch_norm
+            else []
+        )
         _place_parameters(model, program, self.devices)
         self._executor = Executor(program, self.devices, checkpoint)
         self._wanted = [x.name for x in program.output_leaves if isinstance(x, ValueRef)]
@@ -118,8 +120,10 @@ class Pipeline(nn.Module):
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
-        return f"stages={len(self.devices)}, devices=[{devices}], chunks={self.chunks}, " \
+        return (
+            f"stages={len(self.devices)}, devices=[{devices}], chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}"
+        )
 
     def _check_unchanged(self) -> None:
         if _module_ids(self.module) != self._modules_at_build:
@@ -172,4 +176,3 @@ def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
         if id(t) not in seen:
             seen.add(id(t))
             yield t
-
