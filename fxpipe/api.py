@@ -170,7 +170,7 @@ def compile_model(
         device=targets[0] if mode_name == "time" else None,
     )
     g = to_networkx(traced.graph_module, costs)
-    parts = partition_graph(g, len(targets), slack=slack)
+    parts = partition_graph(g, len(targets), slack=slack, traffic=mode)
     default_chunks = max(1, min(4 * len(targets), batch))
     the_plan = build_plan(
         traced.graph_module,

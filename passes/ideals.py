@@ -63,9 +63,10 @@ def ideal_split(
     """Best split into ``num_stages`` non-empty stages as the row indices of the interior
     ideals (increasing). Every stage's units ``required_first`` must be in the first stage.
 
-    Without ``cap`` this minimises the bottleneck. With ``cap`` and ``border_bytes`` (bytes
-    leaving each ideal) it minimises the summed border bytes over splits whose stages all
-    cost at most ``cap``; the returned number is then those bytes.
+    Without ``cap`` this minimises the bottleneck. With ``cap`` and ``border_bytes`` it
+    minimises the summed bytes over splits whose stages all cost at most ``cap``; the
+    returned number is then those bytes. ``border_bytes[J]`` prices a border after ideal J
+    (bytes leaving J); ``border_bytes[I, J]`` prices the stage ``I - J`` (bytes entering it).
     """
     count = len(ideals)
     w = ideals.astype(np.float64) @ weight
@@ -84,8 +85,9 @@ def ideal_split(
         if cap is None:
             cand = np.maximum(f[None, :], stage)
         else:
-            extra = border_bytes if border_bytes is not None else np.zeros(count)
-            cand = np.where(stage <= cap, (f + extra)[None, :], _INF)
+            extra = np.zeros(count) if border_bytes is None else border_bytes
+            priced = f[None, :] + (extra if extra.ndim == 2 else extra[None, :])
+            cand = np.where(stage <= cap, priced, _INF)
         cand = np.where(sub, cand, _INF)
         arg = cand.argmin(axis=1)
         f = cand[np.arange(count), arg]

@@ -9,7 +9,11 @@ zero-cost naming nodes never become stage borders:
    finishing each branch) are each split exactly (:mod:`fxpipe.passes.dp`) and the best
    bottleneck wins.
 3. Among splits whose bottleneck is within ``slack`` of the best, the one that sends the
-   fewest bytes across borders is kept (each value counted at every border it crosses).
+   fewest bytes is kept. ``traffic`` says how the stage modules will move values:
+   ``"direct"`` (the default codegen) sends a value once to every later stage that reads
+   it; ``"relay"`` passes it through every border between its producer and its last
+   reader. The exact search minimises that traffic; the order search minimises relay
+   bytes on its order (an upper bound of the direct traffic) and reports ``traffic``.
 
 Placeholders go to stage 0, ``get_attr`` nodes to the first stage that reads them, and
 the output node to the last stage.
@@ -19,18 +23,30 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
 import numpy as np
 
-from fxpipe.errors import PlanError
+from fxpipe.errors import ConfigError, PlanError
 from fxpipe.passes.dp import min_bytes_split, min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split
 from fxpipe.passes.units import Units, build_units
 
-__all__ = ["Partition", "partition_graph", "candidate_orders", "refine"]
+__all__ = [
+    "Partition",
+    "partition_graph",
+    "sent_bytes",
+    "node_stages",
+    "candidate_orders",
+    "refine",
+    "TRAFFIC",
+]
+
+#: How values travel between stages: ``"direct"`` or ``"relay"`` (see the module docstring).
+TRAFFIC = ("direct", "relay")
 
 #: Largest ideal count the exact search takes on inside the partitioner.
 EXACT_LIMIT = 1500
@@ -49,7 +65,7 @@ class Partition:
     bottleneck: float
     #: "ideals" (exact over convex splits) or "order:<name>" (exact on that order).
     method: str
-    #: Summed bytes of the values crossing each border (relay counting).
+    #: Bytes the stages send each other under the ``traffic`` it was planned for.
     border_bytes: float
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -75,19 +91,23 @@ def partition_graph(
     *,
     slack: float = 0.0,
     exact_limit: int = EXACT_LIMIT,
+    traffic: str = "direct",
 ) -> Partition:
     """Split ``g`` (from :func:`fxpipe.passes.nx_graph.to_networkx`) into ``num_stages``."""
     started = time.perf_counter()
+    if traffic not in TRAFFIC:
+        raise ConfigError(f"traffic={traffic!r} is not one of {TRAFFIC}; pick one of them")
     units = build_units(g)
     _check_enough_units(g, units, num_stages)
     values = _values(g, units)
     ideals = enumerate_ideals(units.dag, exact_limit) if exact_limit > 0 else None
     if ideals is not None:
-        unit_stage, best, moved = _split_on_ideals(units, values, ideals, num_stages, slack)
+        unit_stage, best = _split_on_ideals(units, values, ideals, num_stages, slack, traffic)
         method = "ideals"
     else:
-        unit_stage, best, moved, method = _split_on_orders(units, values, num_stages, slack)
-    stage_of = _node_stages(g, units, unit_stage, num_stages)
+        unit_stage, best, method = _split_on_orders(units, values, num_stages, slack)
+    moved = sent_bytes(values, unit_stage, num_stages, traffic)
+    stage_of = node_stages(g, units, unit_stage, num_stages)
     info = {
         "units": units.num_units,
         "ideals": None if ideals is None else len(ideals),
@@ -138,38 +158,72 @@ def _values(g: nx.DiGraph, units: Units) -> list[_Value]:
 
 
 def _split_on_ideals(
-    units: Units, values: list[_Value], ideals: np.ndarray, k: int, slack: float
-) -> tuple[np.ndarray, float, float]:
+    units: Units, values: list[_Value], ideals: np.ndarray, k: int, slack: float, traffic: str
+) -> tuple[np.ndarray, float]:
     pinned = sorted(units.pinned_first)
     best, _ = ideal_split(ideals, units.weight, k, required_first=pinned)
-    leaving = _bytes_leaving(ideals, values)
+    if traffic == "relay":
+        priced = _bytes_leaving(ideals, values)
+    else:
+        priced = _bytes_entering(ideals, values)
     cap = _cap(best, slack)
-    moved, rows = ideal_split(
-        ideals, units.weight, k, required_first=pinned, border_bytes=leaving, cap=cap
+    _, rows = ideal_split(
+        ideals, units.weight, k, required_first=pinned, border_bytes=priced, cap=cap
     )
     unit_stage = np.zeros(units.num_units, dtype=np.int64)
     for row in rows:
         unit_stage += ~ideals[row]
-    return unit_stage, _bottleneck(units.weight, unit_stage, k), moved
+    return unit_stage, _bottleneck(units.weight, unit_stage, k)
+
+
+def _made_in(ideals: np.ndarray, v: _Value) -> np.ndarray:
+    """Which ideals hold the stage that makes ``v``."""
+    if v.producer == MODEL_INPUT:
+        return np.ones(len(ideals), dtype=bool)
+    if v.producer == FIRST_READER:
+        return ideals[:, list(v.readers)].any(axis=1)
+    return ideals[:, v.producer]
 
 
 def _bytes_leaving(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
+    """Relay traffic: ``out[J]``, the bytes of values made in ideal J and read outside it."""
     leaving = np.zeros(len(ideals))
     for v in values:
-        if v.producer == MODEL_INPUT:
-            made = np.ones(len(ideals), dtype=bool)
-        elif v.producer == FIRST_READER:
-            made = ideals[:, list(v.readers)].any(axis=1)
-        else:
-            made = ideals[:, v.producer]
+        made = _made_in(ideals, v)
         read_outside = ~ideals[:, list(v.readers)].all(axis=1) if v.readers else False
         leaving += v.bytes * (made & (read_outside | v.to_output))
     return leaving
 
 
+def _bytes_entering(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
+    """Direct traffic: ``out[I, J]``, the bytes stage ``I - J`` receives, i.e. of the values
+    made in J with a reader in ``I - J`` (each once, however many readers it has there).
+
+    With ``c(I)`` the number of v's readers in ideal I (the output counts as a reader in the
+    full ideal only), v enters ``I - J`` exactly when ``c(I) > c(J)``, which is the sum over
+    ``c < m`` of ``[c(J) = c] [c(I) > c]`` for m readers: rank-one terms, so the whole table
+    is one matrix product over (value, c) columns."""
+    count = len(ideals)
+    last = np.zeros(count, dtype=np.int64)
+    last[-1] = 1  # rows are ordered by size: the last one is the full ideal
+    grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
+    for v in values:
+        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
+    receives, sends = [], []
+    for (producer, readers, to_output), size in grouped.items():
+        made = _made_in(ideals, _Value(0, producer, readers, to_output))
+        inside = ideals[:, list(readers)].sum(axis=1) + (last if to_output else 0)
+        for c in range(len(readers) + to_output):
+            receives.append(inside > c)
+            sends.append(size * (made & (inside == c)))
+    if not receives:
+        return np.zeros((count, count))
+    return np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T
+
+
 def _split_on_orders(
     units: Units, values: list[_Value], k: int, slack: float
-) -> tuple[np.ndarray, float, float, str]:
+) -> tuple[np.ndarray, float, str]:
     results = []
     for name, order in candidate_orders(units).items():
         for _ in range(REFINE_ROUNDS):
@@ -186,11 +240,11 @@ def _split_on_orders(
             order = sorted(range(units.num_units), key=lambda u: (refined[u], position[u]))
     best, name, order, first = min(results, key=lambda r: r[0])
     w = units.weight[order]
-    moved, borders = min_bytes_split(
+    _, borders = min_bytes_split(
         w, _cut_bytes(order, values), k, _cap(best, slack), first_cut=first
     )
     unit_stage = _order_stages(units, order, borders)
-    return unit_stage, _bottleneck(units.weight, unit_stage, k), moved, f"order:{name}"
+    return unit_stage, _bottleneck(units.weight, unit_stage, k), f"order:{name}"
 
 
 def _order_stages(units: Units, order: list[int], borders: list[int]) -> np.ndarray:
@@ -314,6 +368,26 @@ def _cut_bytes(order: list[int], values: list[_Value]) -> np.ndarray:
     return np.cumsum(diff)[: num + 1]
 
 
+def sent_bytes(values: list[_Value], unit_stage: np.ndarray, k: int, traffic: str) -> float:
+    """Bytes the stages of ``unit_stage`` send each other under ``traffic``."""
+    total = 0.0
+    for v in values:
+        reading = {int(unit_stage[r]) for r in v.readers}
+        if v.to_output:
+            reading.add(k - 1)
+        if v.producer == MODEL_INPUT:
+            source = 0
+        elif v.producer == FIRST_READER:
+            source = min(reading)
+        else:
+            source = int(unit_stage[v.producer])
+        if traffic == "relay":
+            total += v.bytes * (max(reading) - source)
+        else:
+            total += v.bytes * len(reading - {source})
+    return total
+
+
 def _cap(best: float, slack: float) -> float:
     return best * (1.0 + max(slack, 0.0)) + 1e-9 * max(abs(best), 1.0)
 
@@ -322,7 +396,8 @@ def _bottleneck(weight: np.ndarray, unit_stage: np.ndarray, k: int) -> float:
     return float(np.bincount(unit_stage, weights=weight, minlength=k).max())
 
 
-def _node_stages(g: nx.DiGraph, units: Units, unit_stage: np.ndarray, k: int) -> dict[str, int]:
+def node_stages(g: nx.DiGraph, units: Units, unit_stage: np.ndarray, k: int) -> dict[str, int]:
+    """Stage of every node of ``g`` from the stage of every unit."""
     stage_of: dict[str, int] = {}
     for n, op in g.nodes(data="op"):
         if n in units.unit_of:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from models import ZOO, Case
 
-from fxpipe.errors import FxPipeError, PlanError
+from fxpipe.errors import ConfigError, FxPipeError, PlanError
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.ideals import enumerate_ideals
 from fxpipe.passes.nx_graph import to_networkx
@@ -106,6 +106,22 @@ def relay_bytes(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> float:
     return total
 
 
+def direct_bytes(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> float:
+    """Bytes sent straight from producer to readers: a value goes once to every other stage
+    that reads it (the last one when the output reads it)."""
+    total = 0.0
+    for u, op in g.nodes(data="op"):
+        if op == "output" or not g.out_degree(u):
+            continue
+        made = 0 if op == "placeholder" else stage_of[u]
+        reading = {k - 1 if g.nodes[v]["op"] == "output" else stage_of[v] for v in g.successors(u)}
+        total += g.nodes[u]["bytes"] * len(reading - {made})
+    return total
+
+
+SENT = {"direct": direct_bytes, "relay": relay_bytes}
+
+
 def check_valid(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> None:
     assert set(stage_of) == set(g.nodes)
     assert {stage_of[n] for n in compute_nodes(g)} == set(range(k))
@@ -124,14 +140,18 @@ def dag_params(count: int, seed: int) -> list[Any]:
     return out
 
 
+@pytest.mark.parametrize("traffic", ["direct", "relay"])
 @pytest.mark.parametrize("n, k, density, seed", dag_params(40, 1))
-def test_exact_search_equals_brute_force(n: int, k: int, density: float, seed: int) -> None:
+def test_exact_search_equals_brute_force(
+    n: int, k: int, density: float, seed: int, traffic: str
+) -> None:
     g = random_dag(random.Random(seed), n, density)
     before = nx.node_link_data(g, edges="edges")
     valid = all_valid_splits(g, k)
     best = min(bottleneck(g, s, k) for s in valid)
+    sent = SENT[traffic]
     for slack in (0.0, 0.25):
-        part = partition_graph(g, k, slack=slack)
+        part = partition_graph(g, k, slack=slack, traffic=traffic)
         assert part.method == "ideals"
         check_valid(g, part.stage_of, k)
         got = bottleneck(g, part.stage_of, k)
@@ -139,10 +159,10 @@ def test_exact_search_equals_brute_force(n: int, k: int, density: float, seed: i
         assert got <= best * (1 + slack)
         if slack == 0.0:
             assert got == best
-        # among splits within the slack, the fewest bytes cross the borders
+        # among splits within the slack, the fewest bytes are sent
         cap = best * (1 + slack)
-        fewest = min(relay_bytes(g, s, k) for s in valid if bottleneck(g, s, k) <= cap)
-        assert relay_bytes(g, part.stage_of, k) == part.border_bytes == fewest
+        fewest = min(sent(g, s, k) for s in valid if bottleneck(g, s, k) <= cap)
+        assert sent(g, part.stage_of, k) == part.border_bytes == fewest
     assert nx.node_link_data(g, edges="edges") == before  # the input graph is not mutated
 
 
@@ -156,8 +176,11 @@ def test_order_search_is_never_below_the_exact_optimum(
     assert part.method.startswith("order:")
     check_valid(g, part.stage_of, k)
     assert part.bottleneck == bottleneck(g, part.stage_of, k) >= best
+    assert part.border_bytes == direct_bytes(g, part.stage_of, k)
+    # the order search minimises relay bytes, so only those must fall with more slack
+    part = partition_graph(g, k, exact_limit=0, traffic="relay")
     assert part.border_bytes == relay_bytes(g, part.stage_of, k)
-    loose = partition_graph(g, k, slack=0.05, exact_limit=0)
+    loose = partition_graph(g, k, slack=0.05, exact_limit=0, traffic="relay")
     check_valid(g, loose.stage_of, k)
     assert loose.bottleneck <= part.bottleneck * 1.05 + 1e-9
     assert loose.border_bytes <= part.border_bytes
@@ -168,7 +191,7 @@ def test_order_search_is_exact_on_chains(n: int, k: int, density: float, seed: i
     g = random_dag(random.Random(seed), n, density, chain=True)
     valid = all_valid_splits(g, k)
     best = min(bottleneck(g, s, k) for s in valid)
-    part = partition_graph(g, k, exact_limit=0)
+    part = partition_graph(g, k, exact_limit=0, traffic="relay")
     check_valid(g, part.stage_of, k)
     assert part.bottleneck == bottleneck(g, part.stage_of, k) == best
     fewest = min(relay_bytes(g, s, k) for s in valid if bottleneck(g, s, k) <= best)
@@ -270,10 +293,33 @@ def test_too_many_stages_is_a_plan_error_naming_the_maximum(name: str) -> None:
 def test_slack_trades_at_most_five_percent_for_fewer_bytes(name: str, exact_limit: int) -> None:
     _, _, g = priced(name)
     for k in (2, 3, 4):
-        tight = partition_graph(g, k, slack=0.0, exact_limit=exact_limit)
-        loose = partition_graph(g, k, slack=0.05, exact_limit=exact_limit)
+        traffic = "direct" if exact_limit else "relay"  # what each search minimises
+        tight = partition_graph(g, k, slack=0.0, exact_limit=exact_limit, traffic=traffic)
+        loose = partition_graph(g, k, slack=0.05, exact_limit=exact_limit, traffic=traffic)
         assert loose.bottleneck <= tight.bottleneck * 1.05 * (1 + 1e-9)
         assert loose.border_bytes <= tight.border_bytes
+
+
+def test_unknown_traffic_is_refused_with_the_choices() -> None:
+    g = random_dag(random.Random(0), 4, 0.3)
+    with pytest.raises(ConfigError, match=r"traffic='bogus'.*'direct', 'relay'"):
+        partition_graph(g, 2, traffic="bogus")
+
+
+def test_direct_traffic_sends_a_long_skip_once() -> None:
+    """A big value read two stages later costs one send, not one per border crossed."""
+    rng = random.Random(0)
+    g = random_dag(rng, 4, 0.0, chain=True)
+    g.add_edge("c0", "c3", bytes=g.nodes["c0"]["bytes"], is_tensor=True)
+    g.nodes["c0"]["bytes"] = 10_000
+    for u, v in g.edges:
+        g.edges[u, v]["bytes"] = g.nodes[u]["bytes"]
+    for traffic in ("direct", "relay"):
+        part = partition_graph(g, 3, slack=10.0, traffic=traffic)
+        assert part.stage_of["c0"] == 0 and part.stage_of["c3"] == 2  # 4 chain nodes, 3 stages
+        assert part.border_bytes == SENT[traffic](g, part.stage_of, 3)
+        relayed = relay_bytes(g, part.stage_of, 3)
+        assert relayed - part.border_bytes == (10_000 if traffic == "direct" else 0)
 
 
 @pytest.mark.parametrize("name", ["inception", "transformer"])
@@ -375,7 +421,8 @@ def test_every_stage_count_with_a_valid_split_is_accepted() -> None:
     assert {part.stage_of[n] for n in compute_nodes(g)} == set(range(most))
 
 
-def test_border_bytes_count_a_get_attr_read_on_parallel_branches() -> None:
+@pytest.mark.parametrize("traffic", ["direct", "relay"])
+def test_border_bytes_count_a_get_attr_read_on_parallel_branches(traffic: str) -> None:
     f = "call_function"
     g = _graph(
         [
@@ -389,10 +436,10 @@ def test_border_bytes_count_a_get_attr_read_on_parallel_branches() -> None:
     )
 
     def sent(stage_of: dict[str, int]) -> float:  # p lives with its first reader
-        return relay_bytes(g, {**stage_of, "p": min(stage_of["a"], stage_of["b"])}, 2)
+        return SENT[traffic](g, {**stage_of, "p": min(stage_of["a"], stage_of["b"])}, 2)
 
     splits_ = all_valid_splits(g, 2)
     fewest = min(sent(s) for s in splits_)
-    part = partition_graph(g, 2)
+    part = partition_graph(g, 2, traffic=traffic)
     assert part.stage_of["p"] == min(part.stage_of["a"], part.stage_of["b"])
     assert part.border_bytes == sent({n: part.stage_of[n] for n in ("a", "b")}) == fewest
