@@ -22,7 +22,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.api import compile_model
+from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
 from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
@@ -83,38 +83,15 @@ def pipeline_schedule(
     """
     kind = _check_options(schedule, n_microbatches, stages_per_rank, cost, scale_grads)
     world = dist.get_world_size(group)
-    total = world * stages_per_rank
-    if num_stages is not None and num_stages != total:
-        raise ConfigError(
-            f"num_stages={num_stages} but the group has {world} rank(s) x stages_per_rank="
-            f"{stages_per_rank} = {total} stages; launch num_stages / stages_per_rank "
-            "processes (torchrun --nproc-per-node) or set stages_per_rank so that "
-            "world_size * stages_per_rank == num_stages"
-        )
+    total = _stage_count(world, stages_per_rank, num_stages)
     target = _default_device(group) if device is None else parse_device(device)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})
     if _model_device(model).type == "meta":
         args, kwargs = _to_meta((args, kwargs))
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, n_microbatches)
-    compiled = compile_model(
-        model,
-        args,
-        [target] * total,
-        cost="flops" if cost == "auto" else cost,
-        tracer=tracer,
-        example_kwargs=kwargs,
-        chunks=n_microbatches,
-        slack=slack,
-        mode="relay",
-        require_present=False,
-    )
+    compiled = _compile(model, args, kwargs, [target] * total, cost, tracer, n_microbatches, slack)
     plan, program = compiled.plan, compiled.program
-    if plan.num_stages != total:
-        raise PlanError(
-            f"the plan has {plan.num_stages} stages but {total} were asked for; use fewer "
-            "processes or a smaller stages_per_rank"
-        )
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
     metas = _stage_metas(model, program, values)
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
@@ -134,6 +111,50 @@ def pipeline_schedule(
         loss_fn=loss_fn,
         scale_grads=scale_grads,
     )
+
+
+def _stage_count(world: int, stages_per_rank: int, num_stages: int | None) -> int:
+    """``world * stages_per_rank``; ConfigError when ``num_stages`` says otherwise."""
+    total = world * stages_per_rank
+    if num_stages is not None and num_stages != total:
+        raise ConfigError(
+            f"num_stages={num_stages} but the group has {world} rank(s) x stages_per_rank="
+            f"{stages_per_rank} = {total} stages; launch num_stages / stages_per_rank "
+            "processes (torchrun --nproc-per-node) or set stages_per_rank so that "
+            "world_size * stages_per_rank == num_stages"
+        )
+    return total
+
+
+def _compile(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    devices: list[torch.device],
+    cost: Any,
+    tracer: str,
+    n_microbatches: int,
+    slack: float,
+) -> Compiled:
+    """The relay-mode plan and stage program, with exactly ``len(devices)`` stages."""
+    compiled = compile_model(
+        model,
+        args,
+        devices,
+        cost="flops" if cost == "auto" else cost,
+        tracer=tracer,
+        example_kwargs=kwargs,
+        chunks=n_microbatches,
+        slack=slack,
+        mode="relay",
+        require_present=False,
+    )
+    if compiled.plan.num_stages != len(devices):
+        raise PlanError(
+            f"the plan has {compiled.plan.num_stages} stages but {len(devices)} were asked "
+            "for; use fewer processes or a smaller stages_per_rank"
+        )
+    return compiled
 
 
 def _check_options(
