@@ -6,7 +6,8 @@ Installed as ``fxpipe.passes``; import it only under that name. In order:
 2. ``nx_graph.to_networkx(gm, costs) -> nx.DiGraph``: node weight = cost, edge = bytes.
 3. ``units.build_units(g) -> Units``: groups that no stage border may split.
 4. ``partition.partition_graph(g, num_stages, *, slack) -> Partition``: the split
-   (``ideals`` is the exact search for small graphs, ``dp`` the exact split of one order).
+   (``ideals`` is the exact search for small graphs, ``dp`` the exact split of one order,
+   ``windows`` the coarse DAG on which the order search's borders are placed exactly).
 5. ``plan.build_plan(gm, costs, g, partition, devices, *, chunks) -> PipelinePlan``.
 6. ``split_stages.split_stages(plan, output_spec, *, mode) -> StageProgram``: codegen.
 

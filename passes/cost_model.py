@@ -185,7 +185,9 @@ class _Pricer(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         run = getattr(self, n.op)
         module = self.module.get_submodule(str(n.target)) if n.op == "call_module" else None
-        params = [p for p in module.parameters() if p.requires_grad] if module else []
+        params: list[torch.Tensor] = (
+            [p for p in module.parameters() if p.requires_grad] if module else []
+        )
         out = run(n.target, args, kwargs)
         if n.op == "get_attr":
             return out, 0.0
@@ -311,7 +313,7 @@ def _state_preserved(gm: fx.GraphModule) -> Iterator[None]:
     """Pricing runs the user's modules; put back their buffers and the RNG state."""
     buffers = [(b, b.detach().clone()) for b in gm.buffers() if not b.is_meta]
     rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
     try:
         yield
     finally:

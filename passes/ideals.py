@@ -71,9 +71,9 @@ def ideal_split(
     count = len(ideals)
     w = ideals.astype(np.float64) @ weight
     sub = _strict_subsets(ideals)
-    start = np.ones(count, dtype=bool)
+    start: np.ndarray = np.ones(count, dtype=bool)
     if len(required_first):
-        start = ideals[:, list(required_first)].all(axis=1)
+        start = np.asarray(ideals[:, list(required_first)].all(axis=1))
     start[0] = False  # the empty ideal ends no stage
     if cap is None:
         f = np.where(start, w, _INF)
@@ -105,4 +105,4 @@ def _strict_subsets(ideals: np.ndarray) -> np.ndarray:
     a = ideals.astype(np.float32)
     outside = a @ (1.0 - a).T  # outside[j, i] = |J - I|
     sizes = ideals.sum(axis=1)
-    return (outside.T == 0) & (sizes[None, :] < sizes[:, None])
+    return np.asarray((outside.T == 0) & (sizes[None, :] < sizes[:, None]))

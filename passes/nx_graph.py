@@ -72,7 +72,7 @@ def _alias_groups(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:
         while parent[n] is not n:
             parent[n] = parent[parent[n]]
             n = parent[n]
-        return n
+        return n  # type: ignore[no-any-return]
 
     for node in gm.graph.nodes:
         if is_view(node) and node.args and isinstance(node.args[0], fx.Node):

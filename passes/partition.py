@@ -6,14 +6,16 @@ zero-cost naming nodes never become stage borders:
 1. When the unit DAG has few enough ideals, the split is the exact optimum over every
    convex split (:mod:`fxpipe.passes.ideals`).
 2. Otherwise several topological orders (fx order, breadth-first by depth, depth-first
-   finishing each branch) are each split exactly (:mod:`fxpipe.passes.dp`) and the best
-   bottleneck wins.
+   finishing each branch, seeded random ones) are each split exactly
+   (:mod:`fxpipe.passes.dp`) and refined; the best bottleneck wins. Its borders are then
+   re-placed exactly within windows around them (:mod:`fxpipe.passes.windows`).
 3. Among splits whose bottleneck is within ``slack`` of the best, the one that sends the
    fewest bytes is kept. ``traffic`` says how the stage modules will move values:
    ``"direct"`` (the default codegen) sends a value once to every later stage that reads
    it; ``"relay"`` passes it through every border between its producer and its last
-   reader. The exact search minimises that traffic; the order search minimises relay
-   bytes on its order (an upper bound of the direct traffic) and reports ``traffic``.
+   reader. The exact searches (whole DAG, windows) minimise that traffic; the split of
+   the best order minimises relay bytes (an upper bound of the direct traffic); the
+   order path keeps whichever of the two sends less.
 
 Placeholders go to stage 0, ``get_attr`` nodes to the first stage that reads them, and
 the output node to the last stage.
@@ -34,6 +36,7 @@ from fxpipe.errors import ConfigError, PlanError
 from fxpipe.passes.dp import min_bytes_split, min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split
 from fxpipe.passes.units import Units, build_units
+from fxpipe.passes.windows import coarsen_near_borders
 
 __all__ = [
     "Partition",
@@ -52,6 +55,9 @@ TRAFFIC = ("direct", "relay")
 EXACT_LIMIT = 1500
 #: Split-refine-reorder rounds per candidate order when the exact search is out of reach.
 REFINE_ROUNDS = 3
+#: Largest ideal count of the coarse DAG on which the order search's borders are re-placed
+#: exactly (:mod:`fxpipe.passes.windows`); smaller than EXACT_LIMIT to keep that step cheap.
+WINDOW_LIMIT = 600
 #: Seeded random topological orders tried besides the structured ones (small graphs only).
 RANDOM_ORDERS = 8
 RANDOM_ORDERS_MAX_UNITS = 5000
@@ -91,9 +97,13 @@ def partition_graph(
     *,
     slack: float = 0.0,
     exact_limit: int = EXACT_LIMIT,
+    window_limit: int = WINDOW_LIMIT,
     traffic: str = "direct",
 ) -> Partition:
-    """Split ``g`` (from :func:`fxpipe.passes.nx_graph.to_networkx`) into ``num_stages``."""
+    """Split ``g`` (from :func:`fxpipe.passes.nx_graph.to_networkx`) into ``num_stages``.
+
+    ``exact_limit`` caps the ideals of the whole-DAG exact search (0: order search only);
+    ``window_limit`` those of the coarse DAG around the order search's borders (0: none)."""
     started = time.perf_counter()
     if traffic not in TRAFFIC:
         raise ConfigError(f"traffic={traffic!r} is not one of {TRAFFIC}; pick one of them")
@@ -105,7 +115,9 @@ def partition_graph(
         unit_stage, best = _split_on_ideals(units, values, ideals, num_stages, slack, traffic)
         method = "ideals"
     else:
-        unit_stage, best, method = _split_on_orders(units, values, num_stages, slack)
+        unit_stage, best, method = _split_on_orders(
+            g, units, values, num_stages, slack, traffic, window_limit
+        )
     moved = sent_bytes(values, unit_stage, num_stages, traffic)
     stage_of = node_stages(g, units, unit_stage, num_stages)
     info = {
@@ -160,20 +172,31 @@ def _values(g: nx.DiGraph, units: Units) -> list[_Value]:
 def _split_on_ideals(
     units: Units, values: list[_Value], ideals: np.ndarray, k: int, slack: float, traffic: str
 ) -> tuple[np.ndarray, float]:
-    pinned = sorted(units.pinned_first)
-    best, _ = ideal_split(ideals, units.weight, k, required_first=pinned)
+    best, _ = ideal_split(ideals, units.weight, k, required_first=sorted(units.pinned_first))
+    unit_stage = _fewest_bytes_on_ideals(units, values, ideals, k, _cap(best, slack), traffic)
+    return unit_stage, _bottleneck(units.weight, unit_stage, k)
+
+
+def _fewest_bytes_on_ideals(
+    units: Units, values: list[_Value], ideals: np.ndarray, k: int, cap: float, traffic: str
+) -> np.ndarray:
+    """The unit stages of the split that sends the fewest bytes with every stage <= cap."""
     if traffic == "relay":
         priced = _bytes_leaving(ideals, values)
     else:
         priced = _bytes_entering(ideals, values)
-    cap = _cap(best, slack)
     _, rows = ideal_split(
-        ideals, units.weight, k, required_first=pinned, border_bytes=priced, cap=cap
+        ideals,
+        units.weight,
+        k,
+        required_first=sorted(units.pinned_first),
+        border_bytes=priced,
+        cap=cap,
     )
     unit_stage = np.zeros(units.num_units, dtype=np.int64)
     for row in rows:
         unit_stage += ~ideals[row]
-    return unit_stage, _bottleneck(units.weight, unit_stage, k)
+    return unit_stage
 
 
 def _made_in(ideals: np.ndarray, v: _Value) -> np.ndarray:
@@ -181,8 +204,8 @@ def _made_in(ideals: np.ndarray, v: _Value) -> np.ndarray:
     if v.producer == MODEL_INPUT:
         return np.ones(len(ideals), dtype=bool)
     if v.producer == FIRST_READER:
-        return ideals[:, list(v.readers)].any(axis=1)
-    return ideals[:, v.producer]
+        return np.asarray(ideals[:, list(v.readers)].any(axis=1))
+    return np.asarray(ideals[:, v.producer])
 
 
 def _bytes_leaving(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
@@ -218,18 +241,51 @@ def _bytes_entering(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
             sends.append(size * (made & (inside == c)))
     if not receives:
         return np.zeros((count, count))
-    return np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T
+    return np.asarray(np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T)
 
 
 def _split_on_orders(
-    units: Units, values: list[_Value], k: int, slack: float
+    g: nx.DiGraph,
+    units: Units,
+    values: list[_Value],
+    k: int,
+    slack: float,
+    traffic: str,
+    window_limit: int,
 ) -> tuple[np.ndarray, float, str]:
+    """The best order's split, its borders then re-placed exactly within windows; the
+    fewest bytes within the slack, from that order's splits or the windows' ones."""
+    best, name, order, first, minmax = _best_order(units, k)
+    candidates = []  # (unit stages, method), windows first: they win ties
+    window = None
+    if window_limit > 0 and np.isfinite(best):
+        window = coarsen_near_borders(units, minmax, k, window_limit)
+    if window is not None:
+        coarse, of_unit, ideals = window
+        pinned = sorted(coarse.pinned_first)
+        best = min(best, ideal_split(ideals, coarse.weight, k, required_first=pinned)[0])
+        cap = _cap(best, slack)
+        chosen = _fewest_bytes_on_ideals(coarse, _values(g, coarse), ideals, k, cap, traffic)
+        candidates.append((chosen[of_unit], f"order:{name}+windows"))
+    moved, borders = min_bytes_split(
+        units.weight[order], _cut_bytes(order, values), k, _cap(best, slack), first_cut=first
+    )
+    if np.isfinite(moved):
+        candidates.append((_order_stages(units, order, borders), f"order:{name}"))
+    unit_stage, method = min(candidates, key=lambda c: sent_bytes(values, c[0], k, traffic))
+    return unit_stage, _bottleneck(units.weight, unit_stage, k), method
+
+
+def _best_order(units: Units, k: int) -> tuple[float, str, list[int], int, np.ndarray]:
+    """Over the candidate orders, each re-ordered by a few rounds of refinement: the best
+    bottleneck of an exact split of one order, that order's name, the order, its first
+    allowed border and the split's unit stages."""
     results = []
     for name, order in candidate_orders(units).items():
         for _ in range(REFINE_ROUNDS):
             first = _first_cut(units, order)
             best, borders = min_max_split(units.weight[order], k, first_cut=first)
-            results.append((best, name, order, first))
+            results.append((best, name, order, first, borders))
             if not np.isfinite(best):
                 break
             stage = _order_stages(units, order, borders)
@@ -238,13 +294,8 @@ def _split_on_orders(
                 break
             position = {u: p for p, u in enumerate(order)}
             order = sorted(range(units.num_units), key=lambda u: (refined[u], position[u]))
-    best, name, order, first = min(results, key=lambda r: r[0])
-    w = units.weight[order]
-    _, borders = min_bytes_split(
-        w, _cut_bytes(order, values), k, _cap(best, slack), first_cut=first
-    )
-    unit_stage = _order_stages(units, order, borders)
-    return unit_stage, _bottleneck(units.weight, unit_stage, k), f"order:{name}"
+    best, name, order, first, borders = min(results, key=lambda r: r[0])
+    return best, name, order, first, _order_stages(units, order, borders)
 
 
 def _order_stages(units: Units, order: list[int], borders: list[int]) -> np.ndarray:
@@ -278,12 +329,12 @@ def refine(units: Units, unit_stage: np.ndarray, k: int, max_moves: int = 200) -
                     best = (peak, int(u), to)
         if best is None:
             break
-        _, u, to = best
-        cost[b] -= w[u]
-        cost[to] += w[u]
+        _, moved, to = best
+        cost[b] -= w[moved]
+        cost[to] += w[moved]
         count[b] -= 1
         count[to] += 1
-        stage[u] = to
+        stage[moved] = to
     return stage
 
 

@@ -1,0 +1,106 @@
+"""Border windows: coarse DAGs stay acyclic, keep the split they came from, and let the
+order search reach the exact optimum when the windows cover the whole graph."""
+
+from __future__ import annotations
+
+import random
+
+import networkx as nx
+import numpy as np
+import pytest
+from dags import bottleneck, check_valid, random_dag
+
+from fxpipe.passes.dp import min_max_split
+from fxpipe.passes.ideals import enumerate_ideals, ideal_split
+from fxpipe.passes.partition import EXACT_LIMIT, partition_graph
+from fxpipe.passes.units import Units, build_units
+from fxpipe.passes.windows import coarsen, coarsen_near_borders
+
+CASES = [(seed, 6 + seed % 20, (2, 3, 4, 6)[seed % 4]) for seed in range(40)]
+
+
+def _weighted_dag(seed: int, n: int) -> nx.DiGraph:
+    rng = random.Random(seed)
+    g = random_dag(rng, n, rng.choice([0.08, 0.15, 0.3]))
+    for name, op in g.nodes(data="op"):
+        if op == "call_function":
+            g.nodes[name]["weight"] = rng.lognormvariate(0.0, 1.0)
+    return g
+
+
+def _split(units: Units, k: int) -> np.ndarray:
+    """An exact split of the unit ids in order, the kind the order search hands over."""
+    _, borders = min_max_split(units.weight, k)
+    return np.searchsorted(np.array(borders), np.arange(units.num_units), side="right")
+
+
+@pytest.mark.parametrize("seed, n, k", CASES)
+def test_coarse_dag_is_acyclic_topological_and_keeps_the_split(seed: int, n: int, k: int) -> None:
+    units = build_units(_weighted_dag(seed, n))
+    if units.num_units < k:
+        pytest.skip("fewer units than stages")
+    stage = _split(units, k)
+    for width in (1, 2, 4, 64):
+        coarse, of_unit = coarsen(units, stage, k, width)
+        assert nx.is_directed_acyclic_graph(coarse.dag)
+        assert all(a < b for a, b in coarse.dag.edges)  # ids are a topological order
+        assert np.isclose(coarse.weight.sum(), units.weight.sum())
+        for c in range(coarse.num_units):  # a coarse unit never straddles a border
+            assert len({int(stage[u]) for u in np.flatnonzero(of_unit == c)}) == 1
+        # each stage keeps one interior at most: the rest of it is free, one unit each
+        sizes = np.bincount(of_unit, minlength=coarse.num_units)
+        assert sum(size > 1 for size in sizes) <= k
+
+
+@pytest.mark.parametrize("seed, n, k", CASES)
+def test_every_coarse_split_is_a_valid_fine_split(seed: int, n: int, k: int) -> None:
+    g = _weighted_dag(seed, n)
+    units = build_units(g)
+    if units.num_units < k:
+        pytest.skip("fewer units than stages")
+    found = coarsen_near_borders(units, _split(units, k), k, limit=400)
+    if found is None:  # only when the narrowest windows already have too many ideals
+        narrow, _ = coarsen(units, _split(units, k), k, 1)
+        assert enumerate_ideals(narrow.dag, 400) is None
+        return
+    coarse, of_unit, ideals = found
+    best, rows = ideal_split(ideals, coarse.weight, k)
+    coarse_stage = np.zeros(coarse.num_units, dtype=np.int64)
+    for row in rows:
+        coarse_stage += ~ideals[row]
+    fine = coarse_stage[of_unit]
+    assert set(fine.tolist()) == set(range(k))
+    assert all(fine[a] <= fine[b] for a, b in units.dag.edges)
+    assert np.isclose(np.bincount(fine, weights=units.weight, minlength=k).max(), best)
+    assert best <= np.bincount(_split(units, k), weights=units.weight, minlength=k).max() + 1e-9
+
+
+def test_windows_grow_until_the_ideal_limit() -> None:
+    units = build_units(_weighted_dag(3, 24))
+    stage = _split(units, 3)
+    small = coarsen_near_borders(units, stage, 3, limit=30)
+    large = coarsen_near_borders(units, stage, 3, limit=10**6)
+    assert small is not None and large is not None
+    assert len(small[2]) <= 30
+    assert large[0].num_units == units.num_units  # wide enough to free every unit
+    every = enumerate_ideals(units.dag, 10**6)
+    assert every is not None and len(large[2]) == len(every)
+
+
+@pytest.mark.parametrize("seed, n, k", CASES)
+def test_order_search_with_windows(seed: int, n: int, k: int) -> None:
+    g = _weighted_dag(seed, n)
+    try:
+        exact = partition_graph(g, k)
+    except Exception:
+        pytest.skip("fewer units than stages")
+    plain = partition_graph(g, k, exact_limit=0, window_limit=0)
+    windowed = partition_graph(g, k, exact_limit=0)
+    whole = partition_graph(g, k, exact_limit=0, window_limit=EXACT_LIMIT)
+    for part in (plain, windowed, whole):
+        check_valid(g, part.stage_of, k)
+        assert part.bottleneck == pytest.approx(bottleneck(g, part.stage_of, k))
+    assert exact.bottleneck <= windowed.bottleneck + 1e-9
+    assert windowed.bottleneck <= plain.bottleneck + 1e-9
+    if exact.method == "ideals":  # few enough ideals: the windows grow over the whole DAG
+        assert whole.bottleneck == pytest.approx(exact.bottleneck)
