@@ -63,6 +63,11 @@ def _lm_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum")
 
 
+def _llama_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    assert isinstance(out, dict) and set(out) == {"logits", "last_hidden_state"}, type(out)
+    return _lm_loss(out["logits"], target) + out["last_hidden_state"].square().sum()
+
+
 def _tiny_gpt() -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -77,6 +82,9 @@ def _problem(name: str) -> Problem:
         return _tiny_gpt, args, kwargs, _lm_loss, target
     case = ZOO[name]
     args, kwargs = case.example(BATCH)
+    if name == "llama":
+        target = torch.randint(0, 64, args[0].shape, generator=_gen())
+        return case.build, args, kwargs, _llama_loss, target
     out = case.build()(*args, **kwargs)
     logits = out["logits"] if isinstance(out, dict) else out
     target = torch.randn(logits.shape, generator=_gen())
@@ -362,7 +370,8 @@ def _check_against_eager(name: str, results: list[dict[str, Any]], divide: int =
 
 
 @pytest.mark.parametrize(
-    "name, schedule", [("unet", "gpipe"), ("unet", "1f1b"), ("multi_io_dict", "1f1b")]
+    "name, schedule",
+    [("unet", "gpipe"), ("unet", "1f1b"), ("multi_io_dict", "1f1b"), ("llama", "1f1b")],
 )
 def test_two_ranks_match_eager(tmp_path: Path, name: str, schedule: str) -> None:
     results = _results(_launch(_train, 2, tmp_path, name=name, schedule=schedule))

@@ -61,7 +61,7 @@ def test_zoo_is_well_formed() -> None:
         assert case.max_stages >= 4 and case.batch >= 4
         assert case.tags <= KNOWN_TAGS, case.tags - KNOWN_TAGS
     assert cases() == ALL
-    assert [c.name for c in cases(tracer="export")] == ["export_only"]
+    assert [c.name for c in cases(tracer="export")] == ["export_only", "llama"]
     assert {c.name for c in cases(tag="tied")} == {"transformer"}
     assert all("batchnorm" in c.tags and c.tracer == "fx" for c in cases(tag="batchnorm"))
     assert {c.kind for c in ALL} == {"chain", "branchy"}
