@@ -3,7 +3,8 @@
 The result is normalised so that every later pass sees the same shape of graph: one
 placeholder per model input value, parameters reached through ``get_attr`` or leaf
 ``call_module`` nodes that hold the user's own Parameter objects, and an output node that
-returns a flat tuple (the model's output structure is kept as a pytree spec beside it).
+returns a flat tuple (the model's output structure is kept as a pytree spec beside it),
+and every shape query read in several places copied per reader (:mod:`fxpipe.shapes`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_ma
 
 from fxpipe.binding import InputBinder, bind_arguments
 from fxpipe.errors import ConfigError, TraceError
+from fxpipe.shapes import replicate_shape_queries
 from fxpipe.trace_errors import trace_error
 
 __all__ = ["Traced", "trace", "TRACERS"]
@@ -131,6 +133,7 @@ def _trace_fx(
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, set(concrete))
     _merge_aliased_attributes(gm)
+    replicate_shape_queries(gm)
     spec = _flatten_output(gm)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     binder = InputBinder.from_example(
@@ -162,6 +165,7 @@ def _trace_export(
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
     leaf_of = _drop_guards_and_constants(gm, bound)
     _merge_aliased_attributes(gm)
+    replicate_shape_queries(gm)
     binder = InputBinder.from_example(
         signature, bound, kind="leaves", targets=leaf_of, shape_specialized=True
     )

@@ -1,0 +1,106 @@
+"""Gives every reader of a shape query its own copy, so that shared sizes glue no stages.
+
+Sizes are not tensors, so no stage border may fall between a size and the node that reads
+it (:mod:`fxpipe.passes.units` merges them). ``torch.export`` computes the batch size once,
+``sym_size(input_ids, 0)``, and every layer's ``view`` reads that one node: merged, the
+whole network would become one indivisible unit. Shape queries are pure and cheap, so
+each reader gets a private copy of the chain that computes its size (the query and any
+integer arithmetic on it); the queried tensor (usually a model input) then reaches the
+reader's stage like any other tensor, and the graph computes what it computed before.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+__all__ = ["replicate_shape_queries", "is_shape_query"]
+
+_ATEN_QUERIES = frozenset(
+    {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_size.default,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_stride.default,
+        torch.ops.aten.sym_storage_offset.default,
+    }
+)
+_METHOD_QUERIES = frozenset({"size", "dim", "numel", "stride"})
+_INT_OPS = frozenset(
+    {
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.truediv,
+        operator.mod,
+        operator.neg,
+        operator.pow,
+        operator.getitem,
+        torch.sym_int,
+        torch.sym_float,
+        torch.sym_max,
+        torch.sym_min,
+    }
+)
+
+
+def is_shape_query(node: fx.Node) -> bool:
+    """Whether ``node`` only reads sizes: a size/shape query of a tensor, or integer
+    arithmetic (and indexing) on shape queries and constants."""
+    if node.op == "call_method":
+        return node.target in _METHOD_QUERIES
+    if node.op != "call_function":
+        return False
+    if node.target in _ATEN_QUERIES:
+        return True
+    if node.target is getattr:
+        return len(node.args) == 2 and node.args[1] == "shape"
+    if node.target in _INT_OPS:
+        inputs = node.all_input_nodes
+        return bool(inputs) and all(is_shape_query(n) for n in inputs)
+    return False
+
+
+def replicate_shape_queries(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place so that every shape query with several readers becomes one
+    copy per reader; returns how many readers got a copy (0: the graph is unchanged)."""
+    graph = gm.graph
+    shared = [n for n in graph.nodes if is_shape_query(n) and len(n.users) > 1]
+    if not shared:
+        return 0
+    queries = {n for n in graph.nodes if is_shape_query(n)}
+    rewired = 0
+    for reader in list(graph.nodes):
+        if reader in queries:
+            continue
+        used = [n for n in reader.all_input_nodes if n in queries]
+        for query in used:
+            with graph.inserting_before(reader):
+                copy = _copy_chain(graph, query, queries)
+            reader.replace_input_with(query, copy)
+            rewired += 1
+    for node in reversed(list(graph.nodes)):
+        if node in queries and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return rewired
+
+
+def _copy_chain(graph: fx.Graph, query: fx.Node, queries: set[fx.Node]) -> fx.Node:
+    """A fresh copy of ``query`` and of every shape query it reads (inserted at the current
+    insertion point); the tensors it queries are shared, not copied."""
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def copy(node: fx.Node) -> fx.Node:
+        if node not in queries:
+            return node
+        if node not in copies:
+            copies[node] = graph.node_copy(node, copy)
+        return copies[node]
+
+    return copy(query)
