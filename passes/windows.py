@@ -27,26 +27,39 @@ def coarsen_near_borders(
     """The coarse units with the widest windows (doubling the free units per side) whose
     DAG has at most ``limit`` ideals: (coarse units, fine unit -> coarse unit, its ideals).
     ``None`` when even one free unit on each side of every border gives too many."""
+    edges = np.array(list(units.dag.edges), dtype=np.int64).reshape(-1, 2)
     found = None
     width = 1
     largest = int(np.bincount(unit_stage, minlength=k).max())
     while width <= largest:
-        coarse, of_unit = coarsen(units, unit_stage, k, width)
-        ideals = enumerate_ideals(coarse.dag, limit)
+        of_unit, dag = _coarse_dag(units, edges, unit_stage, k, width)
+        ideals = enumerate_ideals(dag, limit)
         if ideals is None:
             break
-        found = (coarse, of_unit, ideals)
-        if coarse.num_units == units.num_units:
+        found = (of_unit, dag, ideals)
+        if dag.number_of_nodes() == units.num_units:
             break  # every unit is free already
         width *= 2
-    return found
+    if found is None:
+        return None
+    of_unit, dag, ideals = found
+    return _coarse_units(units, of_unit, dag), of_unit, ideals
 
 
 def coarsen(units: Units, unit_stage: np.ndarray, k: int, width: int) -> tuple[Units, np.ndarray]:
     """Contract each stage's interior, leaving up to ``width`` units free on each side of
     every border: the tail of stage j (closed under successors in j) and the head of stage
-    j + 1 (closed under predecessors in j + 1). Returns the coarse units and, for every
-    fine unit, its coarse unit."""
+    j + 1 (closed under predecessors in j + 1). Returns the coarse units, numbered in a
+    topological order, and for every fine unit its coarse unit."""
+    edges = np.array(list(units.dag.edges), dtype=np.int64).reshape(-1, 2)
+    of_unit, dag = _coarse_dag(units, edges, unit_stage, k, width)
+    return _coarse_units(units, of_unit, dag), of_unit
+
+
+def _coarse_dag(
+    units: Units, edges: np.ndarray, unit_stage: np.ndarray, k: int, width: int
+) -> tuple[np.ndarray, nx.DiGraph]:
+    """Fine unit -> coarse unit, and the coarse DAG (ids in a topological order)."""
     dag = units.dag
     free = np.zeros(units.num_units, dtype=bool)
     for j in range(k):
@@ -55,17 +68,21 @@ def coarsen(units: Units, unit_stage: np.ndarray, k: int, width: int) -> tuple[U
             free[_closed(ids[::-1], dag.successors, unit_stage, j, width)] = True
         if j > 0:
             free[_closed(ids, dag.predecessors, unit_stage, j, width)] = True
-    group = [("free", u) if free[u] else ("stage", int(unit_stage[u])) for u in range(len(free))]
-    first: dict[tuple[str, int], int] = {}
-    for u, key in enumerate(group):
-        first.setdefault(key, u)
+    # one group per free unit, one per stage interior; numbered by first unit, then sorted
+    key = np.where(free, np.arange(units.num_units), -1 - unit_stage)
+    _, first, group = np.unique(key, return_index=True, return_inverse=True)
+    pairs = np.unique(group[edges], axis=0) if len(edges) else np.zeros((0, 2), np.int64)
+    pairs = pairs[pairs[:, 0] != pairs[:, 1]]
     quotient = nx.DiGraph()
-    quotient.add_nodes_from(first)
-    quotient.add_edges_from((group[a], group[b]) for a, b in dag.edges if group[a] != group[b])
-    order = nx.lexicographical_topological_sort(quotient, key=first.__getitem__)
-    coarse_id = {key: c for c, key in enumerate(order)}
-    of_unit = np.array([coarse_id[key] for key in group], dtype=np.int64)
-    return _coarse_units(units, of_unit, len(coarse_id)), of_unit
+    quotient.add_nodes_from(range(len(first)))
+    quotient.add_edges_from(pairs.tolist())
+    order = list(nx.lexicographical_topological_sort(quotient, key=lambda c: first[c]))
+    renumber = np.empty(len(order), dtype=np.int64)
+    renumber[order] = np.arange(len(order))
+    coarse = nx.DiGraph()
+    coarse.add_nodes_from(range(len(order)))
+    coarse.add_edges_from(renumber[pairs].tolist())
+    return renumber[group], coarse
 
 
 def _closed(
@@ -86,15 +103,11 @@ def _closed(
     return sorted(taken)
 
 
-def _coarse_units(units: Units, of_unit: np.ndarray, count: int) -> Units:
+def _coarse_units(units: Units, of_unit: np.ndarray, dag: nx.DiGraph) -> Units:
+    count = dag.number_of_nodes()
     members: list[list[str]] = [[] for _ in range(count)]
     for u, names in enumerate(units.members):
         members[of_unit[u]].extend(names)
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(count))
-    dag.add_edges_from(
-        (int(of_unit[a]), int(of_unit[b])) for a, b in units.dag.edges if of_unit[a] != of_unit[b]
-    )
     return Units(
         dag=dag,
         unit_of={n: int(of_unit[u]) for n, u in units.unit_of.items()},
