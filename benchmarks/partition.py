@@ -4,20 +4,28 @@ Run from the repository root::
 
     python benchmarks/partition.py [--out PATH] [--repeats N]
 
-Table 1, for every zoo model (plus a larger GPT config) and K = 2, 4, 8:
+Tables 1a and 1b, for every zoo model (``tests/models.py``) and K = 2, 4, 8, once at the
+tests' sizes and once at benchmark sizes (``BENCH_SIZE``: images of 64-128 pixels, feature
+batches of 512-2048 rows, the GPT at GPT-2 small's proportions, the Llama at Llama-2's),
+where arithmetic rather than per-operator overhead sets node times:
 
 - the fxpipe bottleneck (``partition_graph(g, K)``) on costs profiled once per model
   (``mode="time"``: forward + backward per node, median of ``--repeats``);
 - ``/exact``: divided by the exact optimum over every convex split (the ideal DP on the unit
   DAG), or, when the unit DAG has too many ideals, by the exact split of the fx order
   (marked ``fo``); ``orders/exact``: the same for ``partition_graph(g, K, exact_limit=0)``,
-  the order search that fxpipe falls back to on graphs with many ideals;
+  the fallback fxpipe uses on graphs with too many ideals (order search, then its borders
+  re-placed exactly within windows);
 - ``/LB0``: divided by max(total / K, heaviest unit); units are the pieces no split can cut;
 - baselines on the same time costs, each the exact min-max split of the unit order (fx
   order) under another weight and then evaluated under the time costs: equal node count,
   parameter bytes (DeepSpeed's default) and FLOPs; shown as baseline / fxpipe (> 1: fxpipe
   is better);
-- border bytes at slack 0 and 5% (values counted at every border they cross) and their ratio;
+- bytes the stages send each other with direct sends (the default codegen: a value goes
+  once to every other stage that reads it), activations and parameters apart, for three
+  splits: the one a min-max solver without a bytes objective returns (``mm``), fxpipe at
+  slack 0 and fxpipe at 5% slack; with the ratios mm / 5% and 0 / 5% of activation bytes
+  (a tied embedding goes from the first stage to the last whatever the split);
 - the GPipe speedup over one device predicted by the makespan formula with M = 4K
   micro-batches and no communication term: total / (sum(c) / M + (M - 1) max(c) / M).
 
@@ -30,6 +38,7 @@ The same rows, the targets and the run's settings go to ``benchmarks/results/par
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -51,12 +60,12 @@ from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.dp import min_max_split, stage_costs
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split
 from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import Partition, partition_graph
+from fxpipe.passes.partition import Partition, node_stages, partition_graph
 from fxpipe.passes.units import Units, build_units
 from fxpipe.tracing import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from models import ZOO, TinyGPT  # noqa: E402
+from models import ZOO, TinyGPT, TinyLlama, _gen  # noqa: E402
 
 STAGES = (2, 4, 8)
 PLAN_SIZES = (5_000, 50_000)
@@ -80,31 +89,97 @@ PLAN_LIMIT_S = {5_000: 1.0, 50_000: 15.0}
 # ---------------------------------------------------------------------------- models
 
 
-def large_transformer() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    """The zoo's GPT at a realistic ratio of residual stream to attention/MLP internals."""
-    vocab, width, heads, layers, seq, batch = 512, 256, 8, 8, 128, 8
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = TinyGPT(vocab=vocab, width=width, heads=heads, layers=layers, max_len=seq)
+def gpt_example(
+    vocab: int = 16384, width: int = 256, heads: int = 4, layers: int = 12, seq: int = 128
+) -> Callable[[], tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
+    """The zoo's GPT in GPT-2 small's proportions (12 layers, 64-wide heads, a vocabulary
+    64x the width, so that the tied LM head costs about as much as five blocks) at width 256,
+    batch 8 of 128 tokens with padding."""
+
+    def build() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = TinyGPT(vocab=vocab, width=width, heads=heads, layers=layers, max_len=seq)
+        return model, *_token_batch(vocab, seq)
+
+    return build
+
+
+def llama_example(
+    vocab: int = 4096, width: int = 256, heads: int = 4, layers: int = 8, seq: int = 128
+) -> Callable[[], tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]:
+    """The zoo's Llama in Llama-2's proportions (64-wide heads, grouped-query attention
+    with half as many key/value heads, a SwiGLU hidden width 2.7x the width, a vocabulary
+    16x the width) at width 256, batch 8 of 128 tokens with padding."""
+
+    def build() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = TinyLlama(vocab, width, heads, heads // 2, layers, hidden=688)
+        return model, *_token_batch(vocab, seq)
+
+    return build
+
+
+def _token_batch(vocab: int, seq: int, batch: int = 8) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Token ids and a right-padding mask (every sequence keeps at least 3/4 of ``seq``)."""
     gen = torch.Generator().manual_seed(1234)
     idx = torch.randint(0, vocab, (batch, seq), generator=gen)
     lengths = seq - torch.randint(0, seq // 4, (batch,), generator=gen)
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).float()
-    return model, (idx,), {"attention_mask": mask}
+    return (idx,), {"attention_mask": mask}
 
 
-def benchmark_models(batch: int | None = None) -> list[tuple[str, str, str, Callable[[], Any]]]:
-    """(name, kind, tracer, build) for every zoo model (at ``batch``, default each model's
-    own) and the larger transformer."""
+def _zoo_at(name: str, batch: int, *shape: int) -> Callable[[], Any]:
+    """Zoo model ``name`` on a batch of ``batch`` random inputs of ``shape`` (or the zoo's
+    own example at that batch when no shape is given)."""
+    case = ZOO[name]
+
+    def build() -> Any:
+        if shape:
+            return case.build(), (torch.randn(batch, *shape, generator=_gen()),), {}
+        args, kwargs = case.example(batch)
+        return case.build(), args, kwargs
+
+    return build
+
+
+#: The zoo at sizes where arithmetic, not per-operator overhead, sets node times: images of
+#: 64-128 pixels, feature batches of 512-2048 rows, the GPT at GPT-2 small's proportions.
+#: (The tests' sizes take microseconds per node, so every node costs about the same.)
+BENCH_SIZE: dict[str, Callable[[], Any]] = {
+    "mlp_residual": _zoo_at("mlp_residual", 1024, 32),
+    "resnet": _zoo_at("resnet", 8, 3, 64, 64),
+    "unet": _zoo_at("unet", 4, 3, 128, 128),
+    "inception": _zoo_at("inception", 8, 3, 64, 64),
+    "transformer": gpt_example(),
+    "multi_io_dict": _zoo_at("multi_io_dict", 2048),
+    "multi_io_tuple": _zoo_at("multi_io_tuple", 2048),
+    "multi_io_dataclass": _zoo_at("multi_io_dataclass", 2048),
+    "bn_dropout_buffers": _zoo_at("bn_dropout_buffers", 1024, 24),
+    "export_only": _zoo_at("export_only", 512, 10, 16),
+    "deep_mlp": _zoo_at("deep_mlp", 1024, 32),
+    "shared_module": _zoo_at("shared_module", 1024, 20),
+    "llama": llama_example(),
+}
+#: Zoo models with heterogeneous layers (convolutions over several resolutions, language
+#: models with their LM head), the graphs the equal-node and parameter baselines are known
+#: to split badly.
+HETEROGENEOUS = ("resnet", "unet", "inception", "transformer", "llama")
+
+
+def benchmark_models(
+    size: str, batch: int | None = None
+) -> list[tuple[str, str, str, Callable[[], Any]]]:
+    """(name, kind, tracer, build) for every zoo model, at the tests' size (``"test"``: each
+    model's own batch, or ``batch``) or at benchmark size (``"bench"``)."""
     out = []
     for name, case in ZOO.items():
-
-        def build(case: Any = case) -> Any:
-            args, kwargs = case.example(batch or case.batch)
-            return case.build(), args, kwargs
-
+        if size == "bench":
+            build = BENCH_SIZE[name]
+        else:
+            build = _zoo_at(name, batch or case.batch)
         out.append((name, case.kind, case.tracer, build))
-    out.append(("transformer_large", "chain", "fx", large_transformer))
     return out
 
 
@@ -151,6 +226,35 @@ def gpipe_speedup(costs: np.ndarray, micro_batches: int) -> float:
     return float(costs.sum() / makespan)
 
 
+def traffic(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> tuple[float, float]:
+    """(activation bytes, parameter bytes) the stages send each other with direct sends (the
+    default codegen): a value goes once to every other stage that reads it."""
+    sent = {"activation": 0.0, "parameter": 0.0}
+    for u, data in g.nodes(data=True):
+        readers = list(g.successors(u))
+        if data["op"] == "output" or not readers:
+            continue
+        reading = {k - 1 if g.nodes[v]["op"] == "output" else stage_of[v] for v in readers}
+        source = 0 if data["op"] == "placeholder" else stage_of[u]
+        kind = "parameter" if data["op"] == "get_attr" else "activation"
+        sent[kind] += data["bytes"] * len(reading - {source})
+    return sent["activation"], sent["parameter"]
+
+
+def min_max_only(g: nx.DiGraph, units: Units, ideals: np.ndarray | None, k: int) -> dict[str, int]:
+    """The split a min-max solver without a bytes objective returns: the exact optimum over
+    ideals (or over the fx order) as the solver first finds it."""
+    if ideals is not None:
+        _, rows = ideal_split(ideals, units.weight, k, required_first=sorted(units.pinned_first))
+        unit_stage = np.zeros(units.num_units, dtype=np.int64)
+        for row in rows:
+            unit_stage += ~ideals[row]
+    else:
+        _, borders = min_max_split(units.weight, k, first_cut=first_cut(units))
+        unit_stage = np.searchsorted(np.array(borders), np.arange(units.num_units), side="right")
+    return node_stages(g, units, unit_stage, k)
+
+
 def baseline_bottleneck(units: Units, weight: np.ndarray, k: int) -> float:
     """Exact min-max split of ``weight`` over the unit order, evaluated on the time costs."""
     _, borders = min_max_split(weight, k, first_cut=first_cut(units))
@@ -172,9 +276,9 @@ def profile(
 # ---------------------------------------------------------------------------- table 1
 
 
-def zoo_rows(repeats: int, batch: int | None = None) -> list[dict[str, Any]]:
+def zoo_rows(repeats: int, size: str, batch: int | None = None) -> list[dict[str, Any]]:
     rows = []
-    for name, kind, tracer, build in benchmark_models(batch):
+    for name, kind, tracer, build in benchmark_models(size, batch):
         model, args, kwargs = build()
         model.eval()
         g, g_flops, seconds = profile(model, args, kwargs, tracer, repeats)
@@ -201,9 +305,13 @@ def zoo_rows(repeats: int, batch: int | None = None) -> list[dict[str, Any]]:
                 exact_method = "fixed-order"
             best = part.bottleneck
             lb0 = max(total / k, float(units.weight.max()))
+            act_mm, param_mm = traffic(g, min_max_only(g, units, ideals, k), k)
+            act0, param0 = traffic(g, part.stage_of, k)
+            act5, param5 = traffic(g, loose.stage_of, k)
             rows.append(
                 {
                     "model": name,
+                    "size": size,
                     "kind": kind,
                     "K": k,
                     "nodes": g.number_of_nodes(),
@@ -223,9 +331,12 @@ def zoo_rows(repeats: int, batch: int | None = None) -> list[dict[str, Any]]:
                     "equal_nodes_ratio": baseline_bottleneck(units, count_w, k) / best,
                     "params_ratio": baseline_bottleneck(units, params_w, k) / best,
                     "flops_ratio": baseline_bottleneck(units, flops_w, k) / best,
-                    "bytes_kib": part.border_bytes / KIB,
-                    "bytes_slack_kib": loose.border_bytes / KIB,
-                    "bytes_ratio": part.border_bytes / max(loose.border_bytes, 1.0),
+                    "act_minmax_kib": act_mm / KIB,
+                    "act_kib": act0 / KIB,
+                    "act_slack_kib": act5 / KIB,
+                    "param_kib": [param_mm / KIB, param0 / KIB, param5 / KIB],
+                    "bytes_ratio_minmax": act_mm / max(act5, 1.0),
+                    "bytes_ratio": act0 / max(act5, 1.0),
                     "slack_bottleneck_ratio": loose.bottleneck / best,
                     "gpipe_speedup": gpipe_speedup(stage_totals(g, part, k), 4 * k),
                     "valid": is_valid(g, part, k) and is_valid(g, loose, k),
@@ -341,7 +452,7 @@ def targets(zoo: list[dict[str, Any]], plans: list[dict[str, Any]]) -> list[dict
     def add(goal: str, wanted: str, measured: str, ok: bool | None) -> None:
         out.append({"goal": goal, "target": wanted, "measured": measured, "pass": ok})
 
-    for key, path in (("vs_exact", ""), ("orders_vs_exact", ", order search only")):
+    for key, path in (("vs_exact", ""), ("orders_vs_exact", ", fallback search alone")):
         for kind, gap in (("chain", CHAIN_GAP), ("branchy", BRANCHY_GAP)):
             rows = [r for r in zoo if r["kind"] == kind and r["exact_method"] == "ideals"]
             worst = max((r[key] - 1.0 for r in rows), default=float("nan"))
@@ -351,31 +462,38 @@ def targets(zoo: list[dict[str, Any]], plans: list[dict[str, Any]]) -> list[dict
                 f"worst {worst:+.2%} over {len(rows)} rows",
                 worst <= gap + 1e-12 if rows else None,
             )
-    in_zoo = [r for r in zoo if r["model"] in ZOO]
     for key, label, wanted in (
         ("equal_nodes_ratio", "equal-node baseline", BASELINE_RATIO),
         ("params_ratio", "parameter baseline", BASELINE_RATIO),
         ("flops_ratio", "FLOP baseline", FLOPS_RATIO),
     ):
-        values = [r[key] for r in in_zoo]
-        median = statistics.median(values)
-        add(
-            f"G3 {label} / fxpipe, zoo median",
-            f">= {wanted:.2f}x",
-            f"{median:.2f}x (range {min(values):.2f}-{max(values):.2f}, {len(values)} rows)",
-            median >= wanted,
-        )
-    for model in ("transformer", "transformer_large"):
-        rows = [r for r in zoo if r["model"] == model]
-        ratios = "/".join(f"{r['bytes_ratio']:.2f}" for r in rows)
+        for size, models, scope in (
+            ("bench", ZOO, "zoo"),
+            ("bench", HETEROGENEOUS, "CNN/LM"),
+            ("test", ZOO, "zoo"),
+        ):
+            values = [r[key] for r in zoo if r["size"] == size and r["model"] in models]
+            if not values:
+                continue
+            median = statistics.median(values)
+            add(
+                f"G3 {label} / fxpipe, {scope} median, {size} size",
+                f">= {wanted:.2f}x",
+                f"{median:.2f}x (range {min(values):.2f}-{max(values):.2f}, {len(values)} rows)",
+                median >= wanted,
+            )
+    for model, size in itertools.product(("transformer", "llama"), ("bench", "test")):
+        rows = [r for r in zoo if r["model"] == model and r["size"] == size]
+        if not rows:
+            continue
         ks = "/".join(str(r["K"]) for r in rows)
-        worst = min(r["bytes_ratio"] for r in rows)
-        add(
-            f"G4 {model}: bytes(0) / bytes({SLACK:.0%} slack)",
-            f">= {BYTES_RATIO:.1f}x at every K",
-            f"{ratios}x at K={ks}",
-            worst >= BYTES_RATIO,
-        )
+        for key, base in (("bytes_ratio_minmax", "min-max only"), ("bytes_ratio", "0% slack")):
+            add(
+                f"G4 {model}, {size} size: {base} / {SLACK:.0%} slack, activation bytes",
+                f">= {BYTES_RATIO:.1f}x at every K",
+                "/".join(f"{r[key]:.2f}" for r in rows) + f"x at K={ks}",
+                min(r[key] for r in rows) >= BYTES_RATIO,
+            )
     for size, limit in PLAN_LIMIT_S.items():
         rows = [r for r in plans if r["nodes"] == size]
         if not rows:
@@ -418,9 +536,12 @@ ZOO_COLUMNS: list[tuple[str, Callable]] = [
     ("equal/fx", lambda r: f"{r['equal_nodes_ratio']:.2f}"),
     ("params/fx", lambda r: f"{r['params_ratio']:.2f}"),
     ("flops/fx", lambda r: f"{r['flops_ratio']:.2f}"),
-    ("KiB@0", lambda r: f"{r['bytes_kib']:.1f}"),
-    (f"KiB@{SLACK:.0%}", lambda r: f"{r['bytes_slack_kib']:.1f}"),
-    ("bytes x", lambda r: f"{r['bytes_ratio']:.2f}"),
+    ("act KiB mm", lambda r: f"{r['act_minmax_kib']:.0f}"),
+    ("@0", lambda r: f"{r['act_kib']:.0f}"),
+    (f"@{SLACK:.0%}", lambda r: f"{r['act_slack_kib']:.0f}"),
+    (f"mm/{SLACK:.0%}", lambda r: f"{r['bytes_ratio_minmax']:.2f}"),
+    (f"0/{SLACK:.0%}", lambda r: f"{r['bytes_ratio']:.2f}"),
+    ("param KiB", lambda r: "/".join(f"{x:.0f}" for x in r["param_kib"])),
     (f"bn@{SLACK:.0%}", lambda r: f"{r['slack_bottleneck_ratio']:.3f}"),
     ("GPipe x", lambda r: f"{r['gpipe_speedup']:.2f}"),
     ("ok", lambda r: "yes" if r["valid"] else "NO"),
@@ -454,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--batch",
         type=int,
         default=None,
-        help="profile every zoo model at this batch size (default: each model's own, 8)",
+        help="profile the test-size zoo at this batch size (default: each model's own, 8)",
     )
     parser.add_argument(
         "--sizes",
@@ -475,15 +596,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(header, flush=True)
 
-    zoo = zoo_rows(args.repeats, args.batch)
-    print(
-        "\nTable 1. Bottlenecks on profiled fwd+bwd time (ms). /exact: exact optimum over "
-        "convex splits (fo: exact on the fx order only). x/fx: baseline bottleneck / fxpipe "
-        f"bottleneck. Bytes at slack 0 and {SLACK:.0%}; bn@{SLACK:.0%}: bottleneck at "
-        f"{SLACK:.0%} slack / at 0. GPipe x: predicted speedup, M = 4K.\n",
-        flush=True,
+    legend = (
+        "Bottlenecks on profiled fwd+bwd time (ms). /exact: exact optimum over convex splits "
+        "(fo: exact on the fx order only). x/fx: baseline bottleneck / fxpipe bottleneck. "
+        "act KiB: activation bytes sent between stages (direct sends) by the min-max-only "
+        f"split (mm), by fxpipe at slack 0 and at {SLACK:.0%}; param KiB: parameter bytes "
+        f"sent, same three splits. bn@{SLACK:.0%}: bottleneck at {SLACK:.0%} slack / at 0. "
+        "GPipe x: predicted speedup, M = 4K."
     )
-    print(format_table(zoo, ZOO_COLUMNS), flush=True)
+    zoo = []
+    for number, size, what in (
+        ("1a", "test", "the tests' sizes (microseconds per node)"),
+        ("1b", "bench", "benchmark sizes (BENCH_SIZE)"),
+    ):
+        rows = zoo_rows(args.repeats, size, args.batch)
+        print(f"\nTable {number}. The zoo at {what}. {legend}\n", flush=True)
+        print(format_table(rows, ZOO_COLUMNS), flush=True)
+        zoo += rows
 
     plans = plan_rows(args.sizes)
     print(
