@@ -71,7 +71,8 @@ class Partition:
 
     stage_of: dict[str, int]
     bottleneck: float
-    #: "ideals" (exact over convex splits) or "order:<name>" (exact on that order).
+    #: "ideals" (exact over convex splits), "order:<name>" (exact on that order) or
+    #: "order:<name>+windows" (then exact within the windows around its borders).
     method: str
     #: Bytes the stages send each other under the ``traffic`` it was planned for.
     border_bytes: float
