@@ -30,7 +30,12 @@ __all__ = [
     "PipelinePlan",
     "ValueRef",
     "StageProgram",
+    "RECOMPUTE",
 ]
+
+#: fx node meta key of a node copy that recomputes an input-derived value beside its
+#: reader (``fxpipe.recompute``); no stage border may separate it from its reader.
+RECOMPUTE = "fxpipe_recompute"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,9 @@ The result is normalised so that every later pass sees the same shape of graph: 
 placeholder per model input value, parameters reached through ``get_attr`` or leaf
 ``call_module`` nodes that hold the user's own Parameter objects, and an output node that
 returns a flat tuple (the model's output structure is kept as a pytree spec beside it),
-and every shape query read in several places copied per reader (:mod:`fxpipe.shapes`).
+every shape query read in several places copied per reader (:mod:`fxpipe.shapes`), and
+every value made only from inputs and buffers and read by several nodes recomputed beside
+each reader (:mod:`fxpipe.recompute`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from torch import nn
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
 from fxpipe.binding import InputBinder, bind_arguments
-from fxpipe.errors import ConfigError, TraceError
+from fxpipe.errors import ConfigError, FxPipeError, TraceError
+from fxpipe.passes.cost_model import estimate_costs
+from fxpipe.recompute import recompute_input_values
 from fxpipe.shapes import replicate_shape_queries
 from fxpipe.trace_errors import trace_error
 
@@ -82,6 +86,7 @@ def trace(
             failures.append((name, e))
             continue
         _clone_mutated_inputs(traced.graph_module)
+        _recompute_shared_inputs(traced.graph_module, traced.example_values)
         return traced
     raise trace_error(model, failures)
 
@@ -171,6 +176,21 @@ def _trace_export(
     )
     values = binder.bind(bound.args, bound.kwargs)
     return Traced(gm, binder, out_spec, "export", values)
+
+
+def _recompute_shared_inputs(gm: fx.GraphModule, values: Sequence[Any]) -> None:
+    """Recompute shared input-derived values beside their readers (:mod:`fxpipe.recompute`),
+    sized by one run on fake tensors; left as they are when that run fails (the pricing
+    that follows reports the failing node)."""
+
+    def sizes() -> dict[str, int] | None:
+        try:
+            table = estimate_costs(gm, values, mode="params")
+        except FxPipeError:
+            return None
+        return {name: c.output_bytes for name, c in table.nodes.items()}
+
+    recompute_input_values(gm, sizes)
 
 
 _TRACE = {"fx": _trace_fx, "export": _trace_export}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx as fx
 
-from fxpipe.ir import CostTable
+from fxpipe.ir import RECOMPUTE, CostTable
 from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input
 
 __all__ = ["to_networkx", "COMPUTE_OPS"]
@@ -18,7 +18,9 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
     - ``weight``: the node's cost; ``bytes``: its output bytes;
     - ``is_tensor``: whether the output is one tensor; ``param_bytes``;
 
-    and one edge per (producer, consumer) pair with ``bytes`` and ``is_tensor`` of the value.
+    and one edge per (producer, consumer) pair with ``bytes`` and ``is_tensor`` of the value
+    (``is_tensor`` is False out of a node recomputed beside its reader, as out of a
+    non-tensor value: the units pass keeps both ends together).
     """
     g = nx.DiGraph()
     for index, node in enumerate(gm.graph.nodes):
@@ -35,7 +37,9 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
         )
         for arg in node.all_input_nodes:
             a = costs.nodes[arg.name]
-            g.add_edge(arg.name, node.name, bytes=a.output_bytes, is_tensor=a.is_tensor)
+            glued = bool(arg.meta.get(RECOMPUTE))  # recomputed beside its reader: never sent
+            tensor = a.is_tensor and not glued
+            g.add_edge(arg.name, node.name, bytes=a.output_bytes, is_tensor=tensor)
     _order_in_place_ops(gm, g)
     return g
 

@@ -65,9 +65,10 @@ def test_every_shape_query_has_one_reader_and_the_graph_still_equals_eager(trace
 def test_export_batch_size_no_longer_makes_one_unit_of_the_network() -> None:
     _, units = _units("llama")
     # torch.export reads the batch size once; before, every view shared it and 140 of
-    # the graph's 221 nodes made one unit
-    assert max(len(m) for m in units.members) <= 3  # type: ignore[attr-defined]
-    assert units.num_units > 150  # type: ignore[attr-defined]
+    # the graph's 221 nodes made one unit (now the largest is an attention kernel with the
+    # mask it recomputes, fxpipe.recompute)
+    assert max(len(m) for m in units.members) <= 20  # type: ignore[attr-defined]
+    assert units.num_units > 100  # type: ignore[attr-defined]
 
 
 def test_llama_splits_into_balanced_stages() -> None:
