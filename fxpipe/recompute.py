@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.ir import RECOMPUTE
+from fxpipe.private_chains import copy_per_reader
 
 __all__ = ["recompute_input_values", "RECOMPUTE", "MAX_CHAIN"]
 
@@ -66,21 +67,7 @@ def recompute_input_values(
     }
     if not copied:
         return 0
-    rewired = 0
-    for reader in list(graph.nodes):
-        if reader in derived or reader.op == "output":
-            continue
-        for value in [n for n in reader.all_input_nodes if n in copied]:
-            with graph.inserting_before(reader):
-                copy = _copy_chain(graph, value, derived)
-            reader.replace_input_with(value, copy)
-            rewired += 1
-    for node in reversed(list(graph.nodes)):
-        if node in derived and not node.users:
-            graph.erase_node(node)
-    graph.lint()
-    gm.recompile()
-    return rewired
+    return copy_per_reader(gm, derived, copied, mark=RECOMPUTE)
 
 
 def _input_derived(gm: fx.GraphModule) -> set[fx.Node]:
@@ -151,19 +138,3 @@ def _source_bytes(
     """Bytes of the inputs and buffers ``chain`` reads."""
     sources = {s for n in chain for s in n.all_input_nodes if s not in derived}
     return sum(output_bytes.get(s.name, 0) for s in sources)
-
-
-def _copy_chain(graph: fx.Graph, value: fx.Node, derived: set[fx.Node]) -> fx.Node:
-    """A fresh copy of ``value``'s chain at the insertion point, every copy marked."""
-    copies: dict[fx.Node, fx.Node] = {}
-
-    def copy(node: fx.Node) -> fx.Node:
-        if node not in derived:
-            return node
-        if node not in copies:
-            clone = graph.node_copy(node, copy)
-            clone.meta[RECOMPUTE] = True
-            copies[node] = clone
-        return copies[node]
-
-    return copy(value)

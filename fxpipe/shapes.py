@@ -16,6 +16,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxpipe.private_chains import copy_per_reader
+
 __all__ = ["replicate_shape_queries", "is_shape_query"]
 
 _ATEN_QUERIES = frozenset(
@@ -68,39 +70,7 @@ def is_shape_query(node: fx.Node) -> bool:
 def replicate_shape_queries(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` in place so that every shape query with several readers becomes one
     copy per reader; returns how many readers got a copy (0: the graph is unchanged)."""
-    graph = gm.graph
-    shared = [n for n in graph.nodes if is_shape_query(n) and len(n.users) > 1]
-    if not shared:
+    queries = {n for n in gm.graph.nodes if is_shape_query(n)}
+    if not any(len(n.users) > 1 for n in queries):
         return 0
-    queries = {n for n in graph.nodes if is_shape_query(n)}
-    rewired = 0
-    for reader in list(graph.nodes):
-        if reader in queries:
-            continue
-        used = [n for n in reader.all_input_nodes if n in queries]
-        for query in used:
-            with graph.inserting_before(reader):
-                copy = _copy_chain(graph, query, queries)
-            reader.replace_input_with(query, copy)
-            rewired += 1
-    for node in reversed(list(graph.nodes)):
-        if node in queries and not node.users:
-            graph.erase_node(node)
-    graph.lint()
-    gm.recompile()
-    return rewired
-
-
-def _copy_chain(graph: fx.Graph, query: fx.Node, queries: set[fx.Node]) -> fx.Node:
-    """A fresh copy of ``query`` and of every shape query it reads (inserted at the current
-    insertion point); the tensors it queries are shared, not copied."""
-    copies: dict[fx.Node, fx.Node] = {}
-
-    def copy(node: fx.Node) -> fx.Node:
-        if node not in queries:
-            return node
-        if node not in copies:
-            copies[node] = graph.node_copy(node, copy)
-        return copies[node]
-
-    return copy(query)
+    return copy_per_reader(gm, queries, queries)
