@@ -58,7 +58,7 @@ from torch import nn
 from fxpipe.errors import PlanError
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.dp import min_max_split, stage_costs
-from fxpipe.passes.ideals import enumerate_ideals, ideal_split
+from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.partition import Partition, node_stages, partition_graph
 from fxpipe.passes.units import Units, build_units
@@ -246,9 +246,7 @@ def min_max_only(g: nx.DiGraph, units: Units, ideals: np.ndarray | None, k: int)
     ideals (or over the fx order) as the solver first finds it."""
     if ideals is not None:
         _, rows = ideal_split(ideals, units.weight, k, required_first=sorted(units.pinned_first))
-        unit_stage = np.zeros(units.num_units, dtype=np.int64)
-        for row in rows:
-            unit_stage += ~ideals[row]
+        unit_stage = ideal_stages(ideals, rows)
     else:
         _, borders = min_max_split(units.weight, k, first_cut=first_cut(units))
         unit_stage = np.searchsorted(np.array(borders), np.arange(units.num_units), side="right")

@@ -17,6 +17,7 @@ it is made from: recomputing never sends more than sending the value would.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 
 import torch
 import torch.fx as fx
@@ -80,19 +81,12 @@ def _input_derived(gm: fx.GraphModule) -> set[fx.Node]:
         if node.op == "placeholder" and not written:
             sources.add(node)
         elif node.op == "get_attr" and not written:
-            if not isinstance(_attribute(gm, str(node.target)), nn.Parameter):
+            if not isinstance(attrgetter(str(node.target))(gm), nn.Parameter):
                 sources.add(node)
         elif node.op in ("call_function", "call_method") and _pure(node):
             if all(n in sources or n in derived for n in node.all_input_nodes):
                 derived.add(node)  # a factory call with no input (ones, arange) too
     return derived
-
-
-def _attribute(gm: fx.GraphModule, target: str) -> object:
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _name(node: fx.Node) -> str:

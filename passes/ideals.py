@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import networkx as nx
 import numpy as np
 
-__all__ = ["enumerate_ideals", "ideal_split"]
+__all__ = ["enumerate_ideals", "ideal_split", "ideal_stages"]
 
 _INF = float("inf")
 
@@ -98,6 +98,15 @@ def ideal_split(
         row = int(arg[row])
         borders.append(row)
     return float(f[full]), borders[::-1]
+
+
+def ideal_stages(ideals: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+    """The stage of every node of the split whose interior ideals are ``rows`` (as
+    :func:`ideal_split` returns them): the number of those ideals not holding the node."""
+    stage: np.ndarray = np.zeros(ideals.shape[1], dtype=np.int64)
+    for row in rows:
+        stage += ~ideals[row]
+    return stage
 
 
 def _strict_subsets(ideals: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ import numpy as np
 
 from fxpipe.errors import ConfigError, PlanError
 from fxpipe.passes.dp import min_bytes_split, min_max_split
-from fxpipe.passes.ideals import enumerate_ideals, ideal_split
+from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
 from fxpipe.passes.units import Units, build_units
 from fxpipe.passes.windows import coarsen_near_borders
 
@@ -196,10 +196,8 @@ def _fewest_bytes_on_ideals(
         border_bytes=priced,
         cap=cap,
     )
-    unit_stage = np.zeros(units.num_units, dtype=np.int64)
-    for row in rows:
-        unit_stage += ~ideals[row]
-    return unit_stage
+    stages: np.ndarray = ideal_stages(ideals, rows)
+    return stages
 
 
 def _made_in(ideals: np.ndarray, v: _Value) -> np.ndarray:

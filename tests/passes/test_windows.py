@@ -11,7 +11,7 @@ import pytest
 from dags import bottleneck, check_valid, random_dag
 
 from fxpipe.passes.dp import min_max_split
-from fxpipe.passes.ideals import enumerate_ideals, ideal_split
+from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
 from fxpipe.passes.partition import EXACT_LIMIT, partition_graph
 from fxpipe.passes.units import Units, build_units
 from fxpipe.passes.windows import coarsen, coarsen_near_borders
@@ -65,10 +65,7 @@ def test_every_coarse_split_is_a_valid_fine_split(seed: int, n: int, k: int) -> 
         return
     coarse, of_unit, ideals = found
     best, rows = ideal_split(ideals, coarse.weight, k)
-    coarse_stage = np.zeros(coarse.num_units, dtype=np.int64)
-    for row in rows:
-        coarse_stage += ~ideals[row]
-    fine = coarse_stage[of_unit]
+    fine = ideal_stages(ideals, rows)[of_unit]
     assert set(fine.tolist()) == set(range(k))
     assert all(fine[a] <= fine[b] for a, b in units.dag.edges)
     assert np.isclose(np.bincount(fine, weights=units.weight, minlength=k).max(), best)
