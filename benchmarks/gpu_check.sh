@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Everything fxpipe checks on a CUDA machine, in one run of a few minutes: the quickstart on
+# the GPUs present, the CUDA-marked tests, benchmarks/gpu.py, then the whole suite with CUDA
+# visible (on several workers when pytest-xdist is installed). Logs and JSON go to $OUT
+# (default /tmp/fxpipe-gpu); a short summary is printed last.
+#
+#   bash benchmarks/gpu_check.sh            # from the repository root, torch with CUDA installed
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+OUT="${OUT:-/tmp/fxpipe-gpu}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+start=$(date +%s)
+summary=()
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local t0=$(date +%s)
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    summary+=("$(printf '%-12s rc=%-3s %4ss  %s' "$name" "$rc" "$(($(date +%s) - t0))" \
+        "$(grep -E '(passed|failed|error|skipped)' "$OUT/$name.log" | tail -1)")")
+    echo "== $name (rc=$rc)"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+# No network there: install without dependencies or build isolation (torch, networkx present).
+if ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
+    echo "editable install failed; using a copy on PYTHONPATH" | tee -a "$OUT/install.log"
+    mkdir -p /tmp/fxpipe-site && cp -r fxpipe /tmp/fxpipe-site/ && cp -r passes /tmp/fxpipe-site/fxpipe/
+    export PYTHONPATH=/tmp/fxpipe-site
+fi
+"$PY" -c "import torch, fxpipe, networkx; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+
+workers=()
+"$PY" -c "import xdist" 2>/dev/null && workers=(-n 8)
+
+TAIL=8 step quickstart 120 "$PY" examples/quickstart.py
+step cuda_tests 180 "$PY" -m pytest -q -m cuda "${workers[@]}" tests
+TAIL=40 step gpu_bench 200 "$PY" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s 110
+if [ -z "${SKIP_SUITE:-}" ]; then
+    step suite 240 "$PY" -m pytest -q "${workers[@]}" --durations=5 tests
+fi
+
+echo
+echo "fxpipe GPU check, $(($(date +%s) - start)) s, $(cat "$OUT/gpu.txt")"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
