@@ -38,11 +38,11 @@ fi
 workers=()
 "$PY" -c "import xdist" 2>/dev/null && workers=(-n 8)
 
-TAIL=8 step quickstart 120 "$PY" examples/quickstart.py
-step cuda_tests 180 "$PY" -m pytest -q -m cuda "${workers[@]}" tests
-TAIL=40 step gpu_bench 200 "$PY" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s 110
+TAIL=8 step quickstart 90 "$PY" examples/quickstart.py
+step cuda_tests 150 "$PY" -m pytest -q -m cuda "${workers[@]}" tests
+TAIL=40 step gpu_bench 170 "$PY" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s 110
 if [ -z "${SKIP_SUITE:-}" ]; then
-    step suite 240 "$PY" -m pytest -q "${workers[@]}" --durations=5 tests
+    step suite 200 "$PY" -m pytest -q "${workers[@]}" --durations=5 tests
 fi
 
 echo
