@@ -38,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.errors import ConfigError, StageError
 from fxpipe.ir import CostTable, NodeCost
 from fxpipe.passes.ops import VIEW_OPS, op_name
+from fxpipe.placement import retarget
 
 __all__ = ["estimate_costs", "COST_MODES", "DEFAULT_INTENSITY"]
 
@@ -182,7 +183,7 @@ class _Pricer(fx.Interpreter):
         return max(compute, self.intensity * moved)
 
     def _timed(self, n: fx.Node) -> tuple[Any, float]:
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = retarget(n, *self.fetch_args_kwargs_from_env(n), self.device)
         run = getattr(self, n.op)
         module = self.module.get_submodule(str(n.target)) if n.op == "call_module" else None
         params: list[torch.Tensor] = (

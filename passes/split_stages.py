@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.placement import place_graph
 
 __all__ = ["split_stages", "run_stages"]
 
@@ -115,6 +116,7 @@ def _stage_module(
             continue
         env[node.name] = graph.node_copy(node, lambda n: env[n.name])
     graph.output(tuple(env[name] for name in outputs))
+    place_graph(graph, plan.devices[j])
     graph.lint()
     return fx.GraphModule(gm, graph, f"Stage{j}")
 
