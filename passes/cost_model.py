@@ -3,7 +3,8 @@
 Modes:
 
 - ``"time"``: each node runs forward and backward on the profiling device (one warm-up,
-  median of ``repeats``); cost in seconds.
+  median of ``repeats``); cost in seconds. A module whose weights live elsewhere runs as a
+  copy on that device, and device constants in the graph point at it.
 - ``"flops"``: fake tensors, no real memory or device time (a model built on the ``meta``
   device can be priced). FlopCounterMode counts matmuls and convolutions; element-wise
   ops, norms, pooling and CPU attention (which it counts as 0) get formulas here, and a
@@ -17,6 +18,7 @@ The graph, the model and its state (buffers, RNG, ``.grad``) are left as they we
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.errors import ConfigError, StageError
 from fxpipe.ir import CostTable, NodeCost
 from fxpipe.passes.ops import VIEW_OPS, op_name
-from fxpipe.placement import retarget
+from fxpipe.passes.placement import retarget
 
 __all__ = ["estimate_costs", "COST_MODES", "DEFAULT_INTENSITY"]
 
@@ -184,24 +186,42 @@ class _Pricer(fx.Interpreter):
 
     def _timed(self, n: fx.Node) -> tuple[Any, float]:
         args, kwargs = retarget(n, *self.fetch_args_kwargs_from_env(n), self.device)
-        run = getattr(self, n.op)
-        module = self.module.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if n.op == "get_attr":
+            return self._attr_on_device(str(n.target)), 0.0
+        module = self._module_on_device(str(n.target)) if n.op == "call_module" else None
         params: list[torch.Tensor] = (
             [p for p in module.parameters() if p.requires_grad] if module else []
         )
-        out = run(n.target, args, kwargs)
-        if n.op == "get_attr":
-            return out, 0.0
+
+        def run(a: Any, k: Any) -> Any:
+            return module(*a, **k) if module is not None else getattr(self, n.op)(n.target, a, k)
+
+        out = run(args, kwargs)
         samples = []
         for _ in range(max(1, self.repeats) + 1):
             leaves, a, k = _grad_inputs(args, kwargs)
             _sync(self.device)
             start = time.perf_counter()
-            result = run(n.target, a, k)
+            result = run(a, k)
             _backward(result, leaves + params)
             _sync(self.device)
             samples.append(time.perf_counter() - start)
         return out, statistics.median(samples[1:])
+
+    def _module_on_device(self, target: str) -> nn.Module:
+        """The submodule, or a copy of it on the profiling device when its tensors live
+        elsewhere: profiling never moves the user's model."""
+        sub = self.module.get_submodule(target)
+        tensors = [*sub.parameters(), *sub.buffers()]
+        if all(t.device == self.device for t in tensors):
+            return sub
+        return copy.deepcopy(sub).to(self.device)
+
+    def _attr_on_device(self, target: str) -> Any:
+        value = attrgetter(target)(self.module)
+        if isinstance(value, torch.Tensor) and value.device != self.device:
+            return value.detach().to(self.device).requires_grad_(value.requires_grad)
+        return value
 
     def _param_bytes(self, n: fx.Node) -> int:
         if n.op == "call_module":

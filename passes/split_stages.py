@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
-from fxpipe.placement import place_graph
+from fxpipe.passes.placement import place_graph
 
 __all__ = ["split_stages", "run_stages"]
 

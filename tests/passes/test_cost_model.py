@@ -236,6 +236,24 @@ def test_time_mode_is_positive_and_leaves_grads_buffers_and_rng_alone() -> None:
             assert costs.nodes[node.name].cost > 0, node.name
 
 
+@pytest.mark.parametrize("name", ["transformer", "llama"])
+def test_time_mode_on_another_device_copies_modules_there_and_moves_nothing(name: str) -> None:
+    """Profiling on a stage's device while the model lives on the CPU (a CUDA stage in
+    practice; the meta device here, which runs every op without data): weights, buffers and
+    device constants (the Llama's position table) go to that device, the model stays."""
+    model, t = traced(name)
+    before = {k: (v.device, v.clone()) for k, v in model.state_dict().items()}
+    costs = estimate_costs(
+        t.graph_module, t.example_values, mode="time", device=torch.device("meta"), repeats=1
+    )
+    flops = estimate_costs(t.graph_module, t.example_values, mode="flops")
+    for key, value in model.state_dict().items():
+        assert value.device == before[key][0] and torch.equal(value, before[key][1]), key
+    assert list(costs.nodes) == list(flops.nodes)
+    for node_name, cost in costs.nodes.items():
+        assert cost.output_bytes == flops.nodes[node_name].output_bytes, node_name
+
+
 @pytest.mark.parametrize("mode", ["bogus", "FLOPS", "", "seconds"])
 def test_unknown_mode_is_a_config_error(mode: str) -> None:
     _, t = traced("mlp_residual")

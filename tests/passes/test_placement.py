@@ -1,4 +1,4 @@
-"""Device constants in traced graphs follow the stage's device (fxpipe/placement.py)."""
+"""Device constants in traced graphs follow the stage's device (passes/placement.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from models import ZOO
 from torch import nn
 
 from fxpipe.api import compile_model
-from fxpipe.placement import place_graph
+from fxpipe.passes.placement import place_graph
 
 META = torch.device("meta")
 
