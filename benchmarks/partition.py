@@ -59,7 +59,7 @@ from fxpipe.errors import PlanError
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.dp import min_max_split, stage_costs
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
-from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.nx_graph import readers, to_networkx
 from fxpipe.passes.partition import Partition, node_stages, partition_graph
 from fxpipe.passes.units import Units, build_units
 from fxpipe.tracing import trace
@@ -193,9 +193,9 @@ def unit_weights(g: nx.DiGraph, units: Units, attr: str) -> np.ndarray:
         if n in units.unit_of:
             w[units.unit_of[n]] += data[attr]
         elif data["op"] == "get_attr":
-            readers = [units.unit_of[v] for v in g.successors(n) if v in units.unit_of]
-            if readers:
-                w[min(readers)] += data[attr]
+            using = [units.unit_of[v] for v in g.successors(n) if v in units.unit_of]
+            if using:
+                w[min(using)] += data[attr]
     return w
 
 
@@ -226,15 +226,15 @@ def gpipe_speedup(costs: np.ndarray, micro_batches: int) -> float:
     return float(costs.sum() / makespan)
 
 
-def traffic(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> tuple[float, float]:
+def traffic(g: nx.DiGraph, stage_of: dict[str, int]) -> tuple[float, float]:
     """(activation bytes, parameter bytes) the stages send each other with direct sends (the
     default codegen): a value goes once to every other stage that reads it."""
     sent = {"activation": 0.0, "parameter": 0.0}
     for u, data in g.nodes(data=True):
-        readers = list(g.successors(u))
-        if data["op"] == "output" or not readers:
+        reading_nodes = readers(g, u)
+        if data["op"] == "output" or not reading_nodes:
             continue
-        reading = {k - 1 if g.nodes[v]["op"] == "output" else stage_of[v] for v in readers}
+        reading = {stage_of[v] for v in reading_nodes if g.nodes[v]["op"] != "output"}
         source = 0 if data["op"] == "placeholder" else stage_of[u]
         kind = "parameter" if data["op"] == "get_attr" else "activation"
         sent[kind] += data["bytes"] * len(reading - {source})
@@ -303,9 +303,9 @@ def zoo_rows(repeats: int, size: str, batch: int | None = None) -> list[dict[str
                 exact_method = "fixed-order"
             best = part.bottleneck
             lb0 = max(total / k, float(units.weight.max()))
-            act_mm, param_mm = traffic(g, min_max_only(g, units, ideals, k), k)
-            act0, param0 = traffic(g, part.stage_of, k)
-            act5, param5 = traffic(g, loose.stage_of, k)
+            act_mm, param_mm = traffic(g, min_max_only(g, units, ideals, k))
+            act0, param0 = traffic(g, part.stage_of)
+            act5, param5 = traffic(g, loose.stage_of)
             rows.append(
                 {
                     "model": name,

@@ -24,19 +24,13 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.ir import RECOMPUTE
+from fxpipe.passes.ops import OPERATOR_IN_PLACE
 from fxpipe.private_chains import copy_per_reader
 
 __all__ = ["recompute_input_values", "RECOMPUTE", "MAX_CHAIN"]
 
 #: Longest chain copied per reader.
 MAX_CHAIN = 32
-_OPERATOR_IN_PLACE = frozenset(
-    f"i{op}"
-    for op in (
-        "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
-        "lshift", "rshift", "and", "or", "xor", "concat",
-    )
-)  # fmt: skip
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson")
 
 
@@ -99,8 +93,10 @@ def _writes(node: fx.Node) -> bool:
     """Whether ``node`` is a call that writes into one of its inputs."""
     if node.op not in ("call_function", "call_method"):
         return False
+    if node.target in OPERATOR_IN_PLACE:
+        return True
     if getattr(node.target, "__module__", None) in ("_operator", "operator"):
-        return _name(node) in _OPERATOR_IN_PLACE  # and_, or_: not in place
+        return False  # and_, or_: not in place
     name = _name(node)
     return name.endswith("_") and not name.startswith("_") or node.target is torch.Tensor.copy_
 

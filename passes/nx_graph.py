@@ -8,7 +8,7 @@ import torch.fx as fx
 from fxpipe.ir import RECOMPUTE, CostTable
 from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input
 
-__all__ = ["to_networkx", "COMPUTE_OPS"]
+__all__ = ["to_networkx", "readers", "COMPUTE_OPS"]
 
 
 def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
@@ -20,7 +20,9 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
 
     and one edge per (producer, consumer) pair with ``bytes`` and ``is_tensor`` of the value
     (``is_tensor`` is False out of a node recomputed beside its reader, as out of a
-    non-tensor value: the units pass keeps both ends together).
+    non-tensor value: the units pass keeps both ends together). Edges with ``order=True``
+    carry no value: they keep the readers of a value written in place on the right side of
+    the write (:func:`readers` leaves them out).
     """
     g = nx.DiGraph()
     for index, node in enumerate(gm.graph.nodes):
@@ -44,6 +46,11 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
     return g
 
 
+def readers(g: nx.DiGraph, name: str) -> list[str]:
+    """The nodes that read ``name``'s value (its successors but those only ordered after it)."""
+    return [v for v, data in g.succ[name].items() if not data.get("order", False)]
+
+
 def _order_in_place_ops(gm: fx.GraphModule, g: nx.DiGraph) -> None:
     """An op that writes a value in place stays with that value and every view of it (their
     edges are marked not-a-tensor, so no border separates them), and every other reader of
@@ -65,7 +72,7 @@ def _order_in_place_ops(gm: fx.GraphModule, g: nx.DiGraph) -> None:
                 continue
             a, b = (reader, node) if position[reader] < position[node] else (node, reader)
             if not g.has_edge(a.name, b.name):
-                g.add_edge(a.name, b.name, bytes=0, is_tensor=True)
+                g.add_edge(a.name, b.name, bytes=0, is_tensor=True, order=True)
 
 
 def _alias_groups(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:

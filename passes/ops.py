@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-__all__ = ["COMPUTE_OPS", "VIEW_OPS", "op_name", "is_view", "mutated_input"]
+__all__ = ["COMPUTE_OPS", "VIEW_OPS", "OPERATOR_IN_PLACE", "op_name", "is_view", "mutated_input"]
 
 #: fx opcodes that do work; placeholders, get_attr and output only name values.
 COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
@@ -16,6 +18,17 @@ VIEW_OPS = frozenset(
     "view_as getitem size dim chunk split unbind narrow select slice alias detach "
     "_unsafe_view sym_size numel getattr split_with_sizes movedim as_strided contiguous".split()
 )
+
+
+#: The operator module's in-place functions (``x += y`` on a tensor); its ``and_``, ``or_``
+#: and ``not_`` end in an underscore but write nothing.
+OPERATOR_IN_PLACE = frozenset(
+    getattr(operator, name)
+    for name in (
+        "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow",
+        "ilshift", "irshift", "iand", "ior", "ixor", "iconcat",
+    )
+)  # fmt: skip
 
 
 def op_name(n: fx.Node) -> str:
@@ -49,6 +62,10 @@ def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
             if arg.alias_info is not None and arg.alias_info.is_write:
                 return value if isinstance(value, fx.Node) else None
         return None
+    if target in OPERATOR_IN_PLACE:
+        return first
+    if getattr(target, "__module__", None) in ("_operator", "operator"):
+        return None  # and_, or_: named like in-place methods, but pure
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     if name.endswith("_") and not name.startswith("_"):
         return first

@@ -35,6 +35,7 @@ import numpy as np
 from fxpipe.errors import ConfigError, PlanError
 from fxpipe.passes.dp import min_bytes_split, min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
+from fxpipe.passes.nx_graph import readers
 from fxpipe.passes.units import Units, build_units
 from fxpipe.passes.windows import coarsen_near_borders
 
@@ -74,8 +75,12 @@ class Partition:
     #: "ideals" (exact over convex splits), "order:<name>" (exact on that order) or
     #: "order:<name>+windows" (then exact within the windows around its borders).
     method: str
-    #: Bytes the stages send each other under the ``traffic`` it was planned for.
+    #: Bytes the stages send each other under ``traffic``.
     border_bytes: float
+    #: "direct" (a value goes to each stage that reads it; a model output leaves from the
+    #: stage that makes it) or "relay" (through every stage in between; outputs leave from
+    #: the last stage), as the codegen will move values.
+    traffic: str = "direct"
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,7 +117,7 @@ def partition_graph(
         raise ConfigError(f"traffic={traffic!r} is not one of {TRAFFIC}; pick one of them")
     units = build_units(g)
     _check_enough_units(g, units, num_stages)
-    values = _values(g, units)
+    values = _values(g, units, traffic)
     ideals = enumerate_ideals(units.dag, exact_limit) if exact_limit > 0 else None
     if ideals is not None:
         unit_stage, best = _split_on_ideals(units, values, ideals, num_stages, slack, traffic)
@@ -128,7 +133,7 @@ def partition_graph(
         "ideals": None if ideals is None else len(ideals),
         "seconds": time.perf_counter() - started,
     }
-    return Partition(stage_of, best, method, moved, info)
+    return Partition(stage_of, best, method, moved, traffic, info)
 
 
 def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
@@ -152,11 +157,14 @@ def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
     )
 
 
-def _values(g: nx.DiGraph, units: Units) -> list[_Value]:
+def _values(g: nx.DiGraph, units: Units, traffic: str) -> list[_Value]:
+    """Every value read outside the unit that makes it; the model output counts as a reader
+    in the last stage only in relay traffic (direct: the maker returns it to the caller)."""
     out = []
     for n, data in g.nodes(data=True):
-        readers = [units.unit_of[v] for v in g.successors(n) if v in units.unit_of]
-        to_output = any(g.nodes[v]["op"] == "output" for v in g.successors(n))
+        reading = readers(g, n)
+        reader_units = [units.unit_of[v] for v in reading if v in units.unit_of]
+        to_output = traffic == "relay" and any(g.nodes[v]["op"] == "output" for v in reading)
         if data["op"] == "placeholder":
             producer = MODEL_INPUT
         elif data["op"] == "get_attr":
@@ -165,10 +173,10 @@ def _values(g: nx.DiGraph, units: Units) -> list[_Value]:
             producer = units.unit_of[n]
         else:
             continue
-        readers = sorted({r for r in readers if r != producer})
-        lone_attr = producer == FIRST_READER and len(readers) < 2
-        if (readers or to_output) and not lone_attr:
-            out.append(_Value(int(data["bytes"]), producer, tuple(readers), to_output))
+        others = sorted({r for r in reader_units if r != producer})
+        lone_attr = producer == FIRST_READER and len(others) < 2
+        if (others or to_output) and not lone_attr:
+            out.append(_Value(int(data["bytes"]), producer, tuple(others), to_output))
     return out
 
 
@@ -234,10 +242,10 @@ def _bytes_entering(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
     for v in values:
         grouped[(v.producer, v.readers, v.to_output)] += v.bytes
     receives, sends = [], []
-    for (producer, readers, to_output), size in grouped.items():
-        made = _made_in(ideals, _Value(0, producer, readers, to_output))
-        inside = ideals[:, list(readers)].sum(axis=1) + (last if to_output else 0)
-        for c in range(len(readers) + to_output):
+    for (producer, units_reading, to_output), size in grouped.items():
+        made = _made_in(ideals, _Value(0, producer, units_reading, to_output))
+        inside = ideals[:, list(units_reading)].sum(axis=1) + (last if to_output else 0)
+        for c in range(len(units_reading) + to_output):
             receives.append(inside > c)
             sends.append(size * (made & (inside == c)))
     if not receives:
@@ -266,7 +274,9 @@ def _split_on_orders(
         pinned = sorted(coarse.pinned_first)
         best = min(best, ideal_split(ideals, coarse.weight, k, required_first=pinned)[0])
         cap = _cap(best, slack)
-        chosen = _fewest_bytes_on_ideals(coarse, _values(g, coarse), ideals, k, cap, traffic)
+        chosen = _fewest_bytes_on_ideals(
+            coarse, _values(g, coarse, traffic), ideals, k, cap, traffic
+        )
         candidates.append((chosen[of_unit], f"order:{name}+windows"))
     moved, borders = min_bytes_split(
         units.weight[order], _cut_bytes(order, values), k, _cap(best, slack), first_cut=first

@@ -43,12 +43,14 @@ def build_plan(
     k = len(devices)
     stage_of = partition.stage_of
     names = [n.name for n in gm.graph.nodes]
-    edges = _edges(gm, costs, stage_of)
+    edges = _edges(gm, costs, stage_of, relay=partition.traffic == "relay")
+    returned = {a.name for a in gm.graph.output_node().all_input_nodes}
     stages = []
     for j in range(k):
         nodes = tuple(n for n in names if stage_of[n] == j)
         inputs = tuple(e.value for e in edges if j in e.consumers)
-        outputs = tuple(e.value for e in edges if e.producer == j)
+        sent = {e.value for e in edges if e.producer == j}
+        outputs = tuple(n for n in nodes if n in sent or n in returned)
         stage = StagePlan(
             index=j,
             device=devices[j],
@@ -82,11 +84,16 @@ def build_plan(
     )
 
 
-def _edges(gm: fx.GraphModule, costs: CostTable, stage_of: dict[str, int]) -> list[BoundaryEdge]:
+def _edges(
+    gm: fx.GraphModule, costs: CostTable, stage_of: dict[str, int], *, relay: bool
+) -> list[BoundaryEdge]:
+    """Values sent between stages; model outputs go through the last stage only in relay
+    mode (direct: the stage that makes an output returns it)."""
     out = []
     for node in gm.graph.nodes:
         j = stage_of[node.name]
-        readers = sorted({stage_of[u.name] for u in node.users} - {j})
+        users = [u for u in node.users if relay or u.op != "output"]
+        readers = sorted({stage_of[u.name] for u in users} - {j})
         if node.op == "output" or not readers:
             continue
         if any(r < j for r in readers):

@@ -85,13 +85,13 @@ def relay_bytes(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> float:
 
 def direct_bytes(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> float:
     """Bytes sent straight from producer to readers: a value goes once to every other stage
-    that reads it (the last one when the output reads it)."""
+    that reads it (a model output is returned by the stage that makes it)."""
     total = 0.0
     for u, op in g.nodes(data="op"):
         if op == "output" or not g.out_degree(u):
             continue
         made = 0 if op == "placeholder" else stage_of[u]
-        reading = {k - 1 if g.nodes[v]["op"] == "output" else stage_of[v] for v in g.successors(u)}
+        reading = {stage_of[v] for v in g.successors(u) if g.nodes[v]["op"] != "output"}
         total += g.nodes[u]["bytes"] * len(reading - {made})
     return total
 

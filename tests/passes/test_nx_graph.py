@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import networkx as nx
@@ -14,7 +15,7 @@ from torch import nn
 
 from fxpipe.ir import CostTable
 from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.nx_graph import readers, to_networkx
 from fxpipe.tracing import trace
 
 ALL = list(ZOO.values())
@@ -173,3 +174,43 @@ def test_ordering_edges_keep_the_bytes_of_data_edges() -> None:
     gm, costs = priced_model(InPlaceWithOperand(), torch.randn(4, 8))
     g = to_networkx(gm, costs)
     assert g.edges["mul", "add_"]["bytes"] == costs.nodes["mul"].output_bytes > 0
+
+
+class MaskAnd(nn.Module):
+    """``causal & padding`` (``operator.and_``, named like an in-place method) read twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("causal", torch.ones(6, 6, dtype=torch.bool).tril())
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        t = pad.shape[1]
+        causal = self.causal.narrow(0, 0, t).narrow(1, 0, t)  # views of the buffer
+        keep = causal & (pad != 0)[:, None, :]
+        also = causal | (pad == 0)[:, None, :]
+        h = self.lin(x).masked_fill(~keep, 0.0)
+        return self.lin(h).masked_fill(also, 1.0)
+
+
+def test_operator_and_or_are_not_in_place_and_add_no_ordering_edge() -> None:
+    model = MaskAnd()
+    x, pad = torch.randn(2, 6, 6), (torch.arange(6) < 4).float().expand(2, 6)
+    gm, costs = priced_model(model, x, pad)
+    g = to_networkx(gm, costs)
+    assert not [e for e in g.edges(data=True) if e[2].get("order")]
+    assert set(g.edges) == data_edges(gm)
+    logical = [n for n in gm.graph.nodes if n.target in (operator.and_, operator.or_)]
+    assert len(logical) == 2
+    for node in logical:  # a border may fall between the mask and its sources
+        assert all(g.edges[a.name, node.name]["is_tensor"] for a in node.all_input_nodes)
+
+
+def test_readers_leave_out_ordering_edges() -> None:
+    gm, costs = priced_model(InPlaceModule(), torch.randn(4, 8))
+    g = to_networkx(gm, costs)
+    ordered = [(a, b) for a, b, d in g.edges(data=True) if d.get("order")]
+    assert ordered  # mul -> act, act -> out
+    users = {n.name: {u.name for u in n.users} for n in gm.graph.nodes}
+    for name in g.nodes:
+        assert set(readers(g, name)) == users[name], name
