@@ -64,6 +64,10 @@ WINDOW_LIMIT = 600
 #: closed: the same bottleneck on 5,000-node graphs, in less time).
 RANDOM_ORDERS = 8
 RANDOM_ORDERS_MAX_UNITS = 1000
+#: Most rounds of re-placing borders within windows around the last split's borders.
+WINDOW_ROUNDS = 4
+
+Window = tuple[Units, np.ndarray, np.ndarray]  # coarse units, fine -> coarse, its ideals
 
 
 @dataclass(frozen=True)
@@ -268,11 +272,9 @@ def _split_on_orders(
     candidates = []  # (unit stages, method), windows first: they win ties
     window = None
     if window_limit > 0 and np.isfinite(best):
-        window = coarsen_near_borders(units, minmax, k, window_limit)
+        window, best = _windows_until_stable(units, minmax, best, k, window_limit)
     if window is not None:
         coarse, of_unit, ideals = window
-        pinned = sorted(coarse.pinned_first)
-        best = min(best, ideal_split(ideals, coarse.weight, k, required_first=pinned)[0])
         cap = _cap(best, slack)
         chosen = _fewest_bytes_on_ideals(
             coarse, _values(g, coarse, traffic), ideals, k, cap, traffic
@@ -285,6 +287,28 @@ def _split_on_orders(
         candidates.append((_order_stages(units, order, borders), f"order:{name}"))
     unit_stage, method = min(candidates, key=lambda c: sent_bytes(values, c[0], k, traffic))
     return unit_stage, _bottleneck(units.weight, unit_stage, k), method
+
+
+def _windows_until_stable(
+    units: Units, split: np.ndarray, best: float, k: int, limit: int
+) -> tuple[Window | None, float]:
+    """Re-place the borders of ``split`` exactly within windows around them, then again
+    around the borders found, while the bottleneck drops (at most ``WINDOW_ROUNDS`` times):
+    the last windows, which hold the best split found, and its bottleneck."""
+    window = None
+    for _ in range(WINDOW_ROUNDS):
+        found = coarsen_near_borders(units, split, k, limit)
+        if found is None:
+            break
+        window = found
+        coarse, of_unit, ideals = found
+        value, rows = ideal_split(
+            ideals, coarse.weight, k, required_first=sorted(coarse.pinned_first)
+        )
+        if not value < best * (1.0 - 1e-9):
+            break
+        best, split = value, ideal_stages(ideals, rows)[of_unit]
+    return window, best
 
 
 def _best_order(units: Units, k: int) -> tuple[float, str, list[int], int, np.ndarray]:

@@ -101,3 +101,24 @@ def test_order_search_with_windows(seed: int, n: int, k: int) -> None:
     assert windowed.bottleneck <= plain.bottleneck + 1e-9
     if exact.method == "ideals":  # few enough ideals: the windows grow over the whole DAG
         assert whole.bottleneck == pytest.approx(exact.bottleneck)
+
+
+def test_windows_again_around_the_new_borders_only_improve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows re-placed around the borders the last windows found: never worse than one
+    round of windows, and better on some random graphs."""
+    import fxpipe.passes.partition as partition
+
+    rounds: dict[int, list[float]] = {1: [], partition.WINDOW_ROUNDS: []}
+    for seed in range(40):
+        for n, k in ((30, 4), (40, 6)):
+            g = _weighted_dag(seed, n)
+            for count in rounds:
+                monkeypatch.setattr(partition, "WINDOW_ROUNDS", count)
+                part = partition_graph(g, k, exact_limit=0, window_limit=150)
+                check_valid(g, part.stage_of, k)
+                rounds[count].append(part.bottleneck)
+    one, more = np.array(rounds[1]), np.array(rounds[max(rounds)])
+    assert (more <= one + 1e-9).all()
+    assert (more < one - 1e-9).sum() >= 3
