@@ -267,24 +267,33 @@ def _split_on_orders(
     window_limit: int,
 ) -> tuple[np.ndarray, float, str]:
     """The best order's split, its borders then re-placed exactly within windows; the
-    fewest bytes within the slack, from that order's splits or the windows' ones."""
-    best, name, order, first, minmax = _best_order(units, k)
+    fewest bytes within the slack, from the windows' splits or the orders' (every order's
+    on graphs of at most ``RANDOM_ORDERS_MAX_UNITS`` units, else the best one's)."""
+    tried = _orders_tried(units, k)
+    best, name, order, first, borders = min(tried, key=lambda r: r[0])
     candidates = []  # (unit stages, method), windows first: they win ties
     window = None
     if window_limit > 0 and np.isfinite(best):
+        minmax = _order_stages(units, order, borders)
         window, best = _windows_until_stable(units, minmax, best, k, window_limit)
+    cap = _cap(best, slack)
     if window is not None:
         coarse, of_unit, ideals = window
-        cap = _cap(best, slack)
         chosen = _fewest_bytes_on_ideals(
             coarse, _values(g, coarse, traffic), ideals, k, cap, traffic
         )
         candidates.append((chosen[of_unit], f"order:{name}+windows"))
-    moved, borders = min_bytes_split(
-        units.weight[order], _cut_bytes(order, values), k, _cap(best, slack), first_cut=first
-    )
-    if np.isfinite(moved):
-        candidates.append((_order_stages(units, order, borders), f"order:{name}"))
+    small = units.num_units <= RANDOM_ORDERS_MAX_UNITS
+    for value, other, other_order, other_first, other_borders in tried:
+        if not value <= cap or not (small or other_order is order):
+            continue
+        candidates.append((_order_stages(units, other_order, other_borders), f"order:{other}"))
+        moved, cut = min_bytes_split(
+            units.weight[other_order], _cut_bytes(other_order, values), k, cap,
+            first_cut=other_first,
+        )  # fmt: skip
+        if np.isfinite(moved):
+            candidates.append((_order_stages(units, other_order, cut), f"order:{other}"))
     unit_stage, method = min(candidates, key=lambda c: sent_bytes(values, c[0], k, traffic))
     return unit_stage, _bottleneck(units.weight, unit_stage, k), method
 
@@ -311,10 +320,9 @@ def _windows_until_stable(
     return window, best
 
 
-def _best_order(units: Units, k: int) -> tuple[float, str, list[int], int, np.ndarray]:
-    """Over the candidate orders, each re-ordered by a few rounds of refinement: the best
-    bottleneck of an exact split of one order, that order's name, the order, its first
-    allowed border and the split's unit stages."""
+def _orders_tried(units: Units, k: int) -> list[tuple[float, str, list[int], int, list[int]]]:
+    """Every candidate order, and each re-ordering by a round of refinement: (bottleneck of
+    its exact split, order name, order, first allowed border, the split's borders)."""
     results = []
     for name, order in candidate_orders(units).items():
         for _ in range(REFINE_ROUNDS):
@@ -329,8 +337,7 @@ def _best_order(units: Units, k: int) -> tuple[float, str, list[int], int, np.nd
                 break
             position = {u: p for p, u in enumerate(order)}
             order = sorted(range(units.num_units), key=lambda u: (refined[u], position[u]))
-    best, name, order, first, borders = min(results, key=lambda r: r[0])
-    return best, name, order, first, _order_stages(units, order, borders)
+    return results
 
 
 def _order_stages(units: Units, order: list[int], borders: list[int]) -> np.ndarray:
