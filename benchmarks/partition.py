@@ -24,9 +24,7 @@ where arithmetic rather than per-operator overhead sets node times:
 - bytes the stages send each other with direct sends (the default codegen: a value goes
   once to every other stage that reads it), activations and parameters apart, for three
   splits: the one a min-max solver without a bytes objective returns (``mm``), fxpipe at
-  slack 0 and fxpipe at 5% slack, beside the fewest bytes any split into K stages sends
-  whatever its balance (``floor``: no split sends less); with the ratios mm / 5% and 0 / 5%
-  of activation bytes
+  slack 0 and fxpipe at 5% slack; with the ratios mm / 5% and 0 / 5% of activation bytes
   (a tied embedding goes from the first stage to the last whatever the split);
 - the GPipe speedup over one device predicted by the makespan formula with M = 4K
   micro-batches and no communication term: total / (sum(c) / M + (M - 1) max(c) / M).
@@ -42,7 +40,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import platform
 import shlex
@@ -309,7 +306,6 @@ def zoo_rows(repeats: int, size: str, batch: int | None = None) -> list[dict[str
             act_mm, param_mm = traffic(g, min_max_only(g, units, ideals, k))
             act0, param0 = traffic(g, part.stage_of)
             act5, param5 = traffic(g, loose.stage_of)
-            act_floor, _ = traffic(g, partition_graph(g, k, slack=math.inf).stage_of)
             rows.append(
                 {
                     "model": name,
@@ -336,7 +332,6 @@ def zoo_rows(repeats: int, size: str, batch: int | None = None) -> list[dict[str
                     "act_minmax_kib": act_mm / KIB,
                     "act_kib": act0 / KIB,
                     "act_slack_kib": act5 / KIB,
-                    "act_floor_kib": act_floor / KIB,
                     "param_kib": [param_mm / KIB, param0 / KIB, param5 / KIB],
                     "bytes_ratio_minmax": act_mm / max(act5, 1.0),
                     "bytes_ratio": act0 / max(act5, 1.0),
@@ -497,13 +492,6 @@ def targets(zoo: list[dict[str, Any]], plans: list[dict[str, Any]]) -> list[dict
                 "/".join(f"{r[key]:.2f}" for r in rows) + f"x at K={ks}",
                 min(r[key] for r in rows) >= BYTES_RATIO,
             )
-        add(
-            f"   {model}, {size} size: {SLACK:.0%} slack / fewest bytes at any balance",
-            "(no target)",
-            "/".join(f"{r['act_slack_kib'] / max(r['act_floor_kib'], 1e-9):.2f}" for r in rows)
-            + f"x at K={ks}",
-            None,
-        )
     for size, limit in PLAN_LIMIT_S.items():
         rows = [r for r in plans if r["nodes"] == size]
         if not rows:
@@ -549,7 +537,6 @@ ZOO_COLUMNS: list[tuple[str, Callable]] = [
     ("act KiB mm", lambda r: f"{r['act_minmax_kib']:.0f}"),
     ("@0", lambda r: f"{r['act_kib']:.0f}"),
     (f"@{SLACK:.0%}", lambda r: f"{r['act_slack_kib']:.0f}"),
-    ("floor", lambda r: f"{r['act_floor_kib']:.0f}"),
     (f"mm/{SLACK:.0%}", lambda r: f"{r['bytes_ratio_minmax']:.2f}"),
     (f"0/{SLACK:.0%}", lambda r: f"{r['bytes_ratio']:.2f}"),
     ("param KiB", lambda r: "/".join(f"{x:.0f}" for x in r["param_kib"])),

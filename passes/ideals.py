@@ -47,8 +47,10 @@ def enumerate_ideals(dag: nx.DiGraph, limit: int) -> np.ndarray | None:
                 return None
         frontier = nxt
     rows = sorted(seen, key=lambda m: (m.bit_count(), m))
-    bits = np.array([[(m >> v) & 1 for v in range(num)] for m in rows], dtype=bool)
-    return bits.reshape(len(rows), num)
+    width = max(1, (num + 7) // 8)
+    packed = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in rows), dtype=np.uint8)
+    bits = np.unpackbits(packed.reshape(len(rows), width), axis=1, bitorder="little")
+    return bits[:, :num].astype(bool)
 
 
 def ideal_split(

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import networkx as nx
 import torch.fx as fx
 
 from fxpipe.ir import RECOMPUTE, CostTable
 from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input
 
-__all__ = ["to_networkx", "readers", "COMPUTE_OPS"]
+__all__ = ["to_networkx", "readers", "carries_value", "COMPUTE_OPS"]
 
 
 def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
@@ -48,7 +51,12 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
 
 def readers(g: nx.DiGraph, name: str) -> list[str]:
     """The nodes that read ``name``'s value (its successors but those only ordered after it)."""
-    return [v for v, data in g.succ[name].items() if not data.get("order", False)]
+    return [v for v, edge in g.succ[name].items() if carries_value(edge)]
+
+
+def carries_value(edge: Mapping[str, Any]) -> bool:
+    """Whether an edge's attributes describe a value read (not an ordering edge)."""
+    return not edge.get("order", False)
 
 
 def _order_in_place_ops(gm: fx.GraphModule, g: nx.DiGraph) -> None:

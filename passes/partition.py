@@ -35,7 +35,7 @@ import numpy as np
 from fxpipe.errors import ConfigError, PlanError
 from fxpipe.passes.dp import min_bytes_split, min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
-from fxpipe.passes.nx_graph import readers
+from fxpipe.passes.nx_graph import carries_value
 from fxpipe.passes.units import Units, build_units
 from fxpipe.passes.windows import coarsen_near_borders
 
@@ -165,8 +165,10 @@ def _values(g: nx.DiGraph, units: Units, traffic: str) -> list[_Value]:
     """Every value read outside the unit that makes it; the model output counts as a reader
     in the last stage only in relay traffic (direct: the maker returns it to the caller)."""
     out = []
-    for n, data in g.nodes(data=True):
-        reading = readers(g, n)
+    nodes = g.nodes
+    for n, succ in g.adjacency():
+        data = nodes[n]
+        reading = [v for v, edge in succ.items() if carries_value(edge)]
         reader_units = [units.unit_of[v] for v in reading if v in units.unit_of]
         to_output = traffic == "relay" and any(g.nodes[v]["op"] == "output" for v in reading)
         if data["op"] == "placeholder":
