@@ -9,7 +9,9 @@ Installed as ``fxpipe.passes``; import it only under that name. In order:
    (``ideals`` is the exact search for small graphs, ``dp`` the exact split of one order,
    ``windows`` the coarse DAG on which the order search's borders are placed exactly).
 5. ``plan.build_plan(gm, costs, g, partition, devices, *, chunks) -> PipelinePlan``.
-6. ``split_stages.split_stages(plan, output_spec, *, mode) -> StageProgram``: codegen.
+6. ``split_stages.split_stages(plan, output_spec, *, mode) -> StageProgram``: codegen
+   (``placement`` points each stage's device constants, which ``torch.export`` records, at
+   the stage's device; ``ops`` says what each op is: view, in-place write).
 
 The contract every pass keeps: inputs are not mutated (the GraphModule, its graph and
 the user's modules are left as they were), options are keyword-only, outputs are frozen
