@@ -30,8 +30,7 @@ def retarget(
         return device if isinstance(value, torch.device) else value
 
     new_args = tree_map(swap, args)
-    new_kwargs = {k: swap(v) for k, v in kwargs.items()}
-    new_kwargs = tree_map(swap, new_kwargs)
+    new_kwargs = tree_map(swap, dict(kwargs))
     if isinstance(new_kwargs.get("device"), str):
         new_kwargs["device"] = device
     if node.op == "call_method" and node.target == "to":
