@@ -61,6 +61,7 @@ def ideal_split(
     required_first: Sequence[int] = (),
     border_bytes: np.ndarray | None = None,
     cap: float | None = None,
+    balance: float = 0.0,
 ) -> tuple[float, list[int]]:
     """Best split into ``num_stages`` non-empty stages as the row indices of the interior
     ideals (increasing). Every stage's units ``required_first`` must be in the first stage.
@@ -69,6 +70,8 @@ def ideal_split(
     minimises the summed bytes over splits whose stages all cost at most ``cap``; the
     returned number is then those bytes. ``border_bytes[J]`` prices a border after ideal J
     (bytes leaving J); ``border_bytes[I, J]`` prices the stage ``I - J`` (bytes entering it).
+    ``balance`` adds ``balance * cost**2`` per stage to that sum: a small one breaks ties
+    between splits that send the same bytes in favour of the more even one.
     """
     count = len(ideals)
     w = ideals.astype(np.float64) @ weight
@@ -80,7 +83,7 @@ def ideal_split(
     if cap is None:
         f = np.where(start, w, _INF)
     else:
-        f = np.where(start & (w <= cap), 0.0, _INF)
+        f = np.where(start & (w <= cap), balance * w**2, _INF)
     choice = []
     for _ in range(2, num_stages + 1):
         stage = w[:, None] - w[None, :]
@@ -89,6 +92,8 @@ def ideal_split(
         else:
             extra = np.zeros(count) if border_bytes is None else border_bytes
             priced = f[None, :] + (extra if extra.ndim == 2 else extra[None, :])
+            if balance:
+                priced = priced + balance * stage**2
             cand = np.where(stage <= cap, priced, _INF)
         cand = np.where(sub, cand, _INF)
         arg = cand.argmin(axis=1)

@@ -202,6 +202,7 @@ def _fewest_bytes_on_ideals(
         priced = _bytes_leaving(ideals, values)
     else:
         priced = _bytes_entering(ideals, values)
+    total = float(units.weight.sum())
     _, rows = ideal_split(
         ideals,
         units.weight,
@@ -209,6 +210,7 @@ def _fewest_bytes_on_ideals(
         required_first=sorted(units.pinned_first),
         border_bytes=priced,
         cap=cap,
+        balance=_tie_break(total),
     )
     stages: np.ndarray = ideal_stages(ideals, rows)
     return stages
@@ -296,7 +298,10 @@ def _split_on_orders(
         )  # fmt: skip
         if np.isfinite(moved):
             candidates.append((_order_stages(units, other_order, cut), f"order:{other}"))
-    unit_stage, method = min(candidates, key=lambda c: sent_bytes(values, c[0], k, traffic))
+    unit_stage, method = min(
+        candidates,
+        key=lambda c: (sent_bytes(values, c[0], k, traffic), _sum_of_squares(units, c[0], k)),
+    )
     return unit_stage, _bottleneck(units.weight, unit_stage, k), method
 
 
@@ -481,6 +486,17 @@ def sent_bytes(values: list[_Value], unit_stage: np.ndarray, k: int, traffic: st
         else:
             total += v.bytes * len(reading - {source})
     return total
+
+
+def _tie_break(total: float) -> float:
+    """The per-stage ``cost**2`` weight that ranks splits sending the same bytes by their
+    evenness and never outweighs one byte: the squares sum to at most ``total**2``."""
+    return 0.25 / total**2 if total > 0 else 0.0
+
+
+def _sum_of_squares(units: Units, unit_stage: np.ndarray, k: int) -> float:
+    costs = np.bincount(unit_stage, weights=units.weight, minlength=k)
+    return float((costs**2).sum())
 
 
 def _cap(best: float, slack: float) -> float:

@@ -413,3 +413,18 @@ def test_fallback_within_slack_never_sends_more_than_a_min_max_split_of_the_fx_o
             check_valid(g, part.stage_of, k)
             if value <= best * 1.05:
                 assert direct_bytes(g, part.stage_of, k) <= direct_bytes(g, fx_split, k), (s, k)
+
+
+@pytest.mark.parametrize("exact_limit", [0, EXACT_LIMIT])
+def test_splits_that_send_the_same_bytes_are_ranked_by_evenness(exact_limit: int) -> None:
+    """A chain whose every border carries the same bytes: a generous slack admits many
+    splits sending the same bytes, and the most even one is returned, not an arbitrary one."""
+    g = random_dag(random.Random(0), 12, 0.0, chain=True)
+    for name in compute_nodes(g):
+        g.nodes[name].update(weight=1.0, bytes=10)
+    for u, v in g.edges:
+        g.edges[u, v]["bytes"] = g.nodes[u]["bytes"]
+    for k in (2, 3, 4):
+        part = partition_graph(g, k, slack=1.0, exact_limit=exact_limit)
+        assert part.border_bytes == direct_bytes(g, part.stage_of, k) == 10 * (k - 1)
+        assert part.bottleneck == 12 / k
