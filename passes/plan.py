@@ -44,7 +44,8 @@ def build_plan(
     stage_of = partition.stage_of
     names = [n.name for n in gm.graph.nodes]
     edges = _edges(gm, costs, stage_of, relay=partition.traffic == "relay")
-    returned = {a.name for a in gm.graph.output_node().all_input_nodes}
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = {a.name for a in output.all_input_nodes}
     stages = []
     for j in range(k):
         nodes = tuple(n for n in names if stage_of[n] == j)
