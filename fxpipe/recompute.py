@@ -19,12 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from operator import attrgetter
 
-import torch
 import torch.fx as fx
 from torch import nn
 
 from fxpipe.ir import RECOMPUTE
-from fxpipe.passes.ops import OPERATOR_IN_PLACE
+from fxpipe.passes.ops import mutated_input
 from fxpipe.private_chains import copy_per_reader
 
 __all__ = ["recompute_input_values", "RECOMPUTE", "MAX_CHAIN"]
@@ -43,7 +42,7 @@ def recompute_input_values(
     called only when some chain qualifies otherwise, and None from it changes nothing."""
     graph = gm.graph
     derived = _input_derived(gm)
-    if any(_writes(n) and set(n.all_input_nodes) & derived for n in graph.nodes):
+    if any(_writes(gm, n) and set(n.all_input_nodes) & derived for n in graph.nodes):
         return 0  # a copy placed after that write would read the written value
     frontier = {n for n in derived if any(u not in derived and u.op != "output" for u in n.users)}
     chains = {n: _chain(n, derived) for n in frontier}
@@ -71,13 +70,13 @@ def _input_derived(gm: fx.GraphModule) -> set[fx.Node]:
     sources: set[fx.Node] = set()
     derived: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        written = any(_writes(u) for u in node.users)
+        written = any(_writes(gm, u) for u in node.users)
         if node.op == "placeholder" and not written:
             sources.add(node)
         elif node.op == "get_attr" and not written:
             if not isinstance(attrgetter(str(node.target))(gm), nn.Parameter):
                 sources.add(node)
-        elif node.op in ("call_function", "call_method") and _pure(node):
+        elif node.op in ("call_function", "call_method") and _pure(gm, node):
             if all(n in sources or n in derived for n in node.all_input_nodes):
                 derived.add(node)  # a factory call with no input (ones, arange) too
     return derived
@@ -89,22 +88,15 @@ def _name(node: fx.Node) -> str:
     return str(name).split(".")[0]
 
 
-def _writes(node: fx.Node) -> bool:
-    """Whether ``node`` is a call that writes into one of its inputs."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if node.target in OPERATOR_IN_PLACE:
-        return True
-    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
-        return False  # and_, or_: not in place
-    name = _name(node)
-    return name.endswith("_") and not name.startswith("_") or node.target is torch.Tensor.copy_
+def _writes(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` writes into one of its inputs (the rule the partitioner uses)."""
+    return mutated_input(gm, node) is not None
 
 
-def _pure(node: fx.Node) -> bool:
+def _pure(gm: fx.GraphModule, node: fx.Node) -> bool:
     """No write, no randomness, no check kept for its side effect."""
     name = _name(node)
-    if _writes(node) or name.startswith("_assert"):
+    if _writes(gm, node) or name.startswith("_assert"):
         return False
     return not any(word in name for word in _RANDOM)
 
