@@ -216,6 +216,19 @@ def _fewest_bytes_on_ideals(
     return stages
 
 
+def _coarse_values(values: list[_Value], of_unit: np.ndarray) -> list[_Value]:
+    """``values`` seen on coarse units (``of_unit[u]``: the coarse unit of fine unit u): what
+    :func:`_values` returns for them, without walking the graph again."""
+    out = []
+    for v in values:
+        producer = v.producer if v.producer < 0 else int(of_unit[v.producer])
+        others = sorted({int(of_unit[r]) for r in v.readers} - {producer})
+        lone_attr = producer == FIRST_READER and len(others) < 2
+        if (others or v.to_output) and not lone_attr:
+            out.append(_Value(v.bytes, producer, tuple(others), v.to_output))
+    return out
+
+
 def _made_in(ideals: np.ndarray, v: _Value) -> np.ndarray:
     """Which ideals hold the stage that makes ``v``."""
     if v.producer == MODEL_INPUT:
@@ -284,7 +297,7 @@ def _split_on_orders(
     if window is not None:
         coarse, of_unit, ideals = window
         chosen = _fewest_bytes_on_ideals(
-            coarse, _values(g, coarse, traffic), ideals, k, cap, traffic
+            coarse, _coarse_values(values, of_unit), ideals, k, cap, traffic
         )
         candidates.append((chosen[of_unit], f"order:{name}+windows"))
     small = units.num_units <= RANDOM_ORDERS_MAX_UNITS

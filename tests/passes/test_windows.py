@@ -122,3 +122,25 @@ def test_windows_again_around_the_new_borders_only_improve(
     one, more = np.array(rounds[1]), np.array(rounds[max(rounds)])
     assert (more <= one + 1e-9).all()
     assert (more < one - 1e-9).sum() >= 3
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 6))
+def test_values_mapped_onto_coarse_units_equal_values_read_from_the_graph(seed: int) -> None:
+    """The order path maps the values it found on the fine units onto the windows' coarse
+    units instead of walking the graph again; both must give the same values."""
+    import fxpipe.passes.partition as partition
+
+    def key(values: list) -> list:
+        return sorted((v.bytes, v.producer, v.readers, v.to_output) for v in values)
+
+    for s in range(seed, seed + 6):
+        g = _weighted_dag(s, 30)
+        units = build_units(g)
+        for k in (2, 4):
+            stage = _split(units, k)
+            for traffic in ("direct", "relay"):
+                fine = partition._values(g, units, traffic)
+                for width in (1, 3):
+                    coarse, of_unit = coarsen(units, stage, k, width)
+                    mapped = partition._coarse_values(fine, of_unit)
+                    assert key(mapped) == key(partition._values(g, coarse, traffic))
