@@ -30,6 +30,25 @@ def bind_arguments(
     return bound
 
 
+def given_arguments(
+    signature: inspect.Signature, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> inspect.BoundArguments:
+    """Bind a call as its caller wrote it, defaults not applied: what torch.export binds, and
+    what wrappers that fill arguments from a config (Hugging Face models) expect."""
+    return signature.bind(*args, **kwargs)
+
+
+def leaf_positions(
+    signature: inspect.Signature, given: inspect.BoundArguments, bound: inspect.BoundArguments
+) -> list[int]:
+    """For each leaf of ``(given.args, given.kwargs)``, the index of the same argument's leaf
+    in ``(bound.args, bound.kwargs)``, the same call with defaults applied."""
+    flat_bound, _ = tree_flatten_with_path((bound.args, bound.kwargs))
+    index = {argument_name(signature, path): i for i, (path, _) in enumerate(flat_bound)}
+    flat_given, _ = tree_flatten_with_path((given.args, given.kwargs))
+    return [index[argument_name(signature, path)] for path, _ in flat_given]
+
+
 def describe_path(path: Sequence[Any]) -> str:
     """A pytree key path as Python-like text: ``args[0]['mask']``."""
     return "".join(str(k) for k in path) or "<root>"

@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
-from fxpipe.binding import InputBinder, bind_arguments
+from fxpipe.binding import InputBinder, bind_arguments, given_arguments, leaf_positions
 from fxpipe.errors import ConfigError, FxPipeError, TraceError
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.recompute import recompute_input_values
@@ -70,11 +70,12 @@ def trace(
     kwargs = dict(kwargs or {})
     signature = inspect.signature(model.forward)
     bound = bind_arguments(signature, args, kwargs)
+    given = given_arguments(signature, args, kwargs)
     failures: list[tuple[str, BaseException]] = []
     for name in ("fx", "export") if tracer == "auto" else (tracer,):
         try:
             with _preserved(model) as kept:
-                traced = _TRACE[name](model, signature, bound)
+                traced = _TRACE[name](model, signature, bound, given)
             if name == "fx" and kept.written:  # fx ran them once, at trace time only
                 raise RuntimeError(
                     f"forward writes into buffer(s) {', '.join(map(repr, kept.written))} in "
@@ -125,7 +126,10 @@ def _shared_parameter_owners(model: nn.Module) -> frozenset[str]:
 
 
 def _trace_fx(
-    model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
+    model: nn.Module,
+    signature: inspect.Signature,
+    bound: inspect.BoundArguments,
+    given: inspect.BoundArguments,
 ) -> Traced:
     concrete = {k: v for k, v in bound.arguments.items() if not _holds_tensor(v)}
     tracer = _Tracer(_shared_parameter_owners(model))
@@ -149,17 +153,23 @@ def _trace_fx(
 
 
 def _trace_export(
-    model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
+    model: nn.Module,
+    signature: inspect.Signature,
+    bound: inspect.BoundArguments,
+    given: inspect.BoundArguments,
 ) -> Traced:
+    """Export the call as the caller wrote it (``given``): passing defaults positionally
+    breaks forwards whose decorators fill them by keyword, and torch.export keys dynamic
+    shapes by the arguments it binds, so a defaulted ``**kwargs`` must not appear."""
     batch = torch.export.Dim.AUTO
     dynamic = {
         k: tree_map(lambda t: {0: batch} if _is_batched(t) else None, v)
-        for k, v in bound.arguments.items()
+        for k, v in given.arguments.items()
     }
     quiet = io.StringIO()  # export prints partial graphs on failure
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         program = torch.export.export(
-            model, tuple(bound.args), dict(bound.kwargs), strict=False, dynamic_shapes=dynamic
+            model, tuple(given.args), dict(given.kwargs), strict=False, dynamic_shapes=dynamic
         )
     unlifted = program.module()
     assert isinstance(unlifted, fx.GraphModule)
@@ -168,11 +178,16 @@ def _trace_export(
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
-    leaf_of = _drop_guards_and_constants(gm, bound)
+    kept = _drop_guards_and_constants(gm, given)
     _merge_aliased_attributes(gm)
     replicate_shape_queries(gm)
+    position = leaf_positions(signature, given, bound)
     binder = InputBinder.from_example(
-        signature, bound, kind="leaves", targets=leaf_of, shape_specialized=True
+        signature,
+        bound,
+        kind="leaves",
+        targets=[position[i] for i in kept],
+        shape_specialized=True,
     )
     values = binder.bind(bound.args, bound.kwargs)
     return Traced(gm, binder, out_spec, "export", values)
@@ -278,16 +293,16 @@ def _base_name(node: fx.Node) -> str:
     return stem if stem and suffix.isdigit() else target
 
 
-def _drop_guards_and_constants(gm: fx.GraphModule, bound: inspect.BoundArguments) -> list[int]:
+def _drop_guards_and_constants(gm: fx.GraphModule, call: inspect.BoundArguments) -> list[int]:
     """Remove export's guard call and the placeholders of constant leaves; return, for each
-    remaining placeholder, the index of its leaf in the flattened call."""
+    remaining placeholder, the index of its leaf in the flattened ``call``."""
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
             graph.erase_node(node)
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
-    leaves, _ = tree_flatten((bound.args, bound.kwargs))
+    leaves, _ = tree_flatten((call.args, call.kwargs))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(leaves):
         raise RuntimeError(

@@ -1,0 +1,137 @@
+"""Hugging Face transformers (built from small configs, no download) through fxpipe.pipeline:
+outputs, the loss and every parameter's gradient against the eager model's."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from oracle import relative_error
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import PlanError
+
+# In the ``test`` extra; .ci/run fails when it does not import, so this never skips there.
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 97
+BATCH, LENGTH = 4, 12
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=False,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.BertModel(config)
+
+
+def inputs(with_labels: bool) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH))
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[1, 9:] = 0  # one padded sequence
+    out = {"attention_mask": mask}
+    if with_labels:
+        out["labels"] = ids.clone()
+    return {"input_ids": ids, **out}
+
+
+def scalar(output: Any, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A fixed random projection of the output's tensors."""
+    return sum((output[k] * w).sum() for k, w in weights.items())
+
+
+#: (name, model, labels passed, stages).
+CASES: list[tuple[str, Callable[[], nn.Module], bool, int]] = [
+    ("gpt2", gpt2, False, 3),
+    ("llama", llama, False, 2),
+    ("bert", bert, False, 3),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "build", "with_labels", "stages"), CASES, ids=[c[0] for c in CASES]
+)
+def test_hf_model_matches_eager(
+    name: str, build: Callable[[], nn.Module], with_labels: bool, stages: int
+) -> None:
+    model = build().double()
+    reference = copy.deepcopy(model)
+    batch = inputs(with_labels)
+    ids, kwargs = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+
+    want = reference(ids, **kwargs)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * stages, example_kwargs=kwargs, chunks=2)
+    assert pipe.plan.num_stages == stages
+    got = pipe(ids, **kwargs)
+
+    assert type(got) is type(want)
+    assert list(got.keys()) == list(want.keys())
+    for key in want.keys():
+        assert relative_error(got[key], want[key]) < 1e-10, key
+
+    weights = {k: torch.randn(v.shape, dtype=v.dtype) for k, v in want.items()}
+    scalar(want, weights).backward()
+    scalar(got, weights).backward()
+    grads = dict(reference.named_parameters())
+    for path, p in model.named_parameters():
+        want_grad = grads[path].grad
+        assert (p.grad is None) == (want_grad is None), path
+        if want_grad is not None:
+            # A key bias's gradient is zero in exact arithmetic (softmax ignores a shift
+            # shared by every score of a query): both sides are rounding noise there.
+            diff = (p.grad - want_grad).norm().item()
+            assert diff <= 1e-10 * want_grad.norm().item() + 1e-14, path
+    assert list(pipe.state_dict()) == list(model.state_dict())
+
+
+def test_hf_tied_head_lives_in_one_stage() -> None:
+    """GPT-2's LM head is its token embedding: one Parameter, held by one stage only."""
+    model = gpt2()
+    batch = inputs(False)
+    ids = batch.pop("input_ids")
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 3, example_kwargs=batch)
+    tied = model.transformer.wte.weight
+    assert model.lm_head.weight is tied
+    holders = [
+        j for j, stage in enumerate(pipe.stages) if any(p is tied for p in stage.parameters())
+    ]
+    assert len(holders) == 1
+
+
+def test_hf_loss_inside_the_model_is_refused_and_the_model_kept() -> None:
+    """With ``labels`` the model returns the batch's mean loss, which micro-batches cannot be
+    joined into: a PlanError saying so, and the model as it was."""
+    model = gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = inputs(True)
+    ids = batch.pop("input_ids")
+    with pytest.raises(PlanError, match="loss.*not the batch.*reduce outside the model"):
+        fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs=batch)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
