@@ -4,7 +4,10 @@ Modes:
 
 - ``"time"``: each node runs forward and backward on the profiling device (one warm-up,
   median of ``repeats``); cost in seconds. A module whose weights live elsewhere runs as a
-  copy on that device, and device constants in the graph point at it.
+  copy on that device, and device constants in the graph point at it. Nodes of a region
+  that runs under a functorch transform level (:func:`fxpipe.passes.ops.stateful_regions`)
+  run once, forward only (autograd may not start there), priced at 3x that time; the
+  calls that enter and leave the level cost 0.
 - ``"flops"``: fake tensors, no real memory or device time (a model built on the ``meta``
   device can be priced). FlopCounterMode counts matmuls and convolutions; element-wise
   ops, norms, pooling and CPU attention (which it counts as 0) get formulas here, and a
@@ -39,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.errors import ConfigError, StageError
 from fxpipe.ir import CostTable, NodeCost
-from fxpipe.passes.ops import VIEW_OPS, op_name
+from fxpipe.passes.ops import VIEW_OPS, op_name, state_change, stateful_regions
 from fxpipe.passes.placement import retarget
 
 __all__ = ["estimate_costs", "COST_MODES", "DEFAULT_INTENSITY"]
@@ -48,6 +51,8 @@ COST_MODES = ("time", "flops", "params")
 #: FLOP a device does in the time it moves one byte (machine balance), per device type.
 DEFAULT_INTENSITY = {"cpu": 10.0, "cuda": 100.0, "meta": 10.0}
 
+#: Forward + backward over forward time, for nodes timed forward only.
+_FORWARD_AND_BACKWARD = 3.0
 _HEAVY_ELEMENTWISE = {  # FLOP per output element, forward
     "layer_norm": 8,
     "batch_norm": 8,
@@ -135,6 +140,7 @@ class _Pricer(fx.Interpreter):
         self.mode, self.fn, self.device = mode, fn, device
         self.repeats, self.intensity = repeats, intensity
         self.costs: dict[str, NodeCost] = {}
+        self.in_region = {n for region in stateful_regions(gm.graph) for n in region}
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -196,6 +202,12 @@ class _Pricer(fx.Interpreter):
         def run(a: Any, k: Any) -> Any:
             return module(*a, **k) if module is not None else getattr(self, n.op)(n.target, a, k)
 
+        if n in self.in_region:  # under a transform level: once, forward only
+            start = time.perf_counter()
+            out = run(args, kwargs)
+            _sync(self.device)
+            forward = time.perf_counter() - start
+            return out, 0.0 if state_change(n) else _FORWARD_AND_BACKWARD * forward
         out = run(args, kwargs)
         samples = []
         for _ in range(max(1, self.repeats) + 1):

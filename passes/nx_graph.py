@@ -9,7 +9,7 @@ import networkx as nx
 import torch.fx as fx
 
 from fxpipe.ir import RECOMPUTE, CostTable
-from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input
+from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input, stateful_regions
 
 __all__ = ["to_networkx", "readers", "carries_value", "COMPUTE_OPS"]
 
@@ -46,6 +46,7 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
             tensor = a.is_tensor and not glued
             g.add_edge(arg.name, node.name, bytes=a.output_bytes, is_tensor=tensor)
     _order_in_place_ops(gm, g)
+    _glue_stateful_regions(gm, g)
     return g
 
 
@@ -81,6 +82,19 @@ def _order_in_place_ops(gm: fx.GraphModule, g: nx.DiGraph) -> None:
             a, b = (reader, node) if position[reader] < position[node] else (node, reader)
             if not g.has_edge(a.name, b.name):
                 g.add_edge(a.name, b.name, bytes=0, is_tensor=True, order=True)
+
+
+def _glue_stateful_regions(gm: fx.GraphModule, g: nx.DiGraph) -> None:
+    """Chain the compute nodes of each region that runs under a changed interpreter state
+    (:func:`fxpipe.passes.ops.stateful_regions`) with not-a-tensor ordering edges, so that
+    the units pass keeps the region in one unit and so in one stage, in graph order."""
+    for region in stateful_regions(gm.graph):
+        members = [n.name for n in region if n.op in COMPUTE_OPS]
+        for a, b in zip(members, members[1:]):
+            if g.has_edge(a, b):
+                g.edges[a, b]["is_tensor"] = False
+            else:
+                g.add_edge(a, b, bytes=0, is_tensor=False, order=True)
 
 
 def _alias_groups(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:

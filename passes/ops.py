@@ -7,7 +7,16 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["COMPUTE_OPS", "VIEW_OPS", "OPERATOR_IN_PLACE", "op_name", "is_view", "mutated_input"]
+__all__ = [
+    "COMPUTE_OPS",
+    "VIEW_OPS",
+    "OPERATOR_IN_PLACE",
+    "op_name",
+    "is_view",
+    "mutated_input",
+    "state_change",
+    "stateful_regions",
+]
 
 #: fx opcodes that do work; placeholders, get_attr and output only name values.
 COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
@@ -29,6 +38,56 @@ OPERATOR_IN_PLACE = frozenset(
         "ilshift", "irshift", "iand", "ior", "ixor", "iconcat",
     )
 )  # fmt: skip
+
+
+#: Calls torch.export records that change interpreter-wide state (functorch transform
+#: levels, autocast): each opens or closes a region that must run in one stage, in order.
+_OPENS = ("_increment_nesting", "_enter_autocast")
+_CLOSES = ("_decrement_nesting", "_exit_autocast")
+#: ``torch._C._set_grad_enabled(mode)``: the first of a pair opens, the next one closes.
+_TOGGLES = ("_set_grad_enabled",)
+
+
+def state_change(n: fx.Node) -> str | None:
+    """``"open"``, ``"close"`` or ``"toggle"`` when ``n`` changes interpreter-wide state
+    (running it twice, or in another stage than the nodes after it, changes the result)."""
+    if n.op != "call_function" or isinstance(n.target, torch._ops.OpOverload):
+        return None
+    name = str(getattr(n.target, "__name__", ""))
+    if name.endswith(_OPENS):
+        return "open"
+    if name.endswith(_CLOSES):
+        return "close"
+    if name in _TOGGLES:
+        return "toggle"
+    return None
+
+
+def stateful_regions(graph: fx.Graph) -> list[list[fx.Node]]:
+    """Runs of nodes, in graph order, from a state change that opens a region to the one
+    that closes it (nested regions join the outer one): every node between them runs under
+    that state, so a region may not be split between stages."""
+    regions: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    depth, toggled = 0, False
+    for node in graph.nodes:
+        inside_before = depth > 0 or toggled
+        change = state_change(node)
+        if change == "open":
+            depth += 1
+        elif change == "close":
+            depth = max(depth - 1, 0)
+        elif change == "toggle":
+            toggled = not toggled
+        inside_after = depth > 0 or toggled
+        if inside_before or inside_after:
+            current.append(node)
+        if current and not inside_after:
+            regions.append(current)
+            current = []
+    if current:
+        regions.append(current)
+    return regions
 
 
 def op_name(n: fx.Node) -> str:
