@@ -1,4 +1,4 @@
-"""Hugging Face transformers (built from small configs, no download) through fxpipe.pipeline:
+"""Hugging Face transformers (small configs, no download) through fxpipe.pipeline:
 outputs, the loss and every parameter's gradient against the eager model's."""
 
 from __future__ import annotations
@@ -50,6 +50,24 @@ def bert() -> nn.Module:
     return transformers.BertModel(config)
 
 
+def t5() -> nn.Module:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def vit() -> nn.Module:
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.ViTModel(config)
+
+
 def inputs(with_labels: bool) -> dict[str, torch.Tensor]:
     ids = torch.randint(1, VOCAB, (BATCH, LENGTH))
     mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
@@ -60,34 +78,48 @@ def inputs(with_labels: bool) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, **out}
 
 
+def text() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    batch = inputs(False)
+    return (batch.pop("input_ids"),), batch
+
+
+def text_to_text() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args, kwargs = text()
+    return args, {**kwargs, "decoder_input_ids": torch.randint(1, VOCAB, (BATCH, 7))}
+
+
+def images() -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return (torch.randn(BATCH, 3, 16, 16, dtype=torch.float64),), {}
+
+
 def scalar(output: Any, weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """A fixed random projection of the output's tensors."""
     return sum((output[k] * w).sum() for k, w in weights.items())
 
 
-#: (name, model, labels passed, stages).
-CASES: list[tuple[str, Callable[[], nn.Module], bool, int]] = [
-    ("gpt2", gpt2, False, 3),
-    ("llama", llama, False, 2),
-    ("bert", bert, False, 3),
+Example = Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]
+#: (name, model, example, stages).
+CASES: list[tuple[str, Callable[[], nn.Module], Example, int]] = [
+    ("gpt2", gpt2, text, 3),
+    ("llama", llama, text, 2),
+    ("bert", bert, text, 3),
+    ("t5", t5, text_to_text, 3),  # encoder-decoder: cross-attention, two token inputs
+    ("vit", vit, images, 2),
 ]
 
 
-@pytest.mark.parametrize(
-    ("name", "build", "with_labels", "stages"), CASES, ids=[c[0] for c in CASES]
-)
+@pytest.mark.parametrize(("name", "build", "example", "stages"), CASES, ids=[c[0] for c in CASES])
 def test_hf_model_matches_eager(
-    name: str, build: Callable[[], nn.Module], with_labels: bool, stages: int
+    name: str, build: Callable[[], nn.Module], example: Example, stages: int
 ) -> None:
     model = build().double()
     reference = copy.deepcopy(model)
-    batch = inputs(with_labels)
-    ids, kwargs = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+    args, kwargs = example()
 
-    want = reference(ids, **kwargs)
-    pipe = fxpipe.pipeline(model, ids, ["cpu"] * stages, example_kwargs=kwargs, chunks=2)
+    want = reference(*args, **kwargs)
+    pipe = fxpipe.pipeline(model, args, ["cpu"] * stages, example_kwargs=kwargs, chunks=2)
     assert pipe.plan.num_stages == stages
-    got = pipe(ids, **kwargs)
+    got = pipe(*args, **kwargs)
 
     assert type(got) is type(want)
     assert list(got.keys()) == list(want.keys())
