@@ -1,5 +1,5 @@
-"""Hugging Face transformers (small configs, no download) through fxpipe.pipeline:
-outputs, the loss and every parameter's gradient against the eager model's."""
+"""Hugging Face transformers (small configs, no download) through fxpipe.pipeline: outputs
+and every parameter's gradient against the eager model's; a loss computed inside refused."""
 
 from __future__ import annotations
 
