@@ -10,12 +10,13 @@ zero-cost naming nodes never become stage borders:
    (:mod:`fxpipe.passes.dp`) and refined; the best bottleneck wins. Its borders are then
    re-placed exactly within windows around them (:mod:`fxpipe.passes.windows`).
 3. Among splits whose bottleneck is within ``slack`` of the best, the one that sends the
-   fewest bytes is kept. ``traffic`` says how the stage modules will move values:
-   ``"direct"`` (the default codegen) sends a value once to every later stage that reads
-   it; ``"relay"`` passes it through every border between its producer and its last
-   reader. The exact searches (whole DAG, windows) minimise that traffic; the split of
-   the best order minimises relay bytes (an upper bound of the direct traffic); the
-   order path keeps whichever of the two sends less.
+   fewest bytes is kept, unless the best-bottleneck split sends no more. ``traffic`` says
+   how the stage modules will move values: ``"direct"`` (the default codegen) sends a
+   value once to every later stage that reads it; ``"relay"`` passes it through every
+   border between its producer and its last reader. The exact searches (whole DAG,
+   windows) minimise that traffic; the split of the best order minimises relay bytes (an
+   upper bound of the direct traffic); the order path keeps whichever of the two sends
+   less.
 
 Placeholders go to stage 0, ``get_attr`` nodes to the first stage that reads them, and
 the output node to the last stage.
@@ -119,18 +120,31 @@ def partition_graph(
     started = time.perf_counter()
     if traffic not in TRAFFIC:
         raise ConfigError(f"traffic={traffic!r} is not one of {TRAFFIC}; pick one of them")
+    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1e9:
+        raise ConfigError(
+            f"slack={slack!r} must be a number >= 0: the fraction the bottleneck may grow by "
+            "to send fewer bytes (0.01 = 1%; 0 keeps the best bottleneck)"
+        )
     units = build_units(g)
     _check_enough_units(g, units, num_stages)
     values = _values(g, units, traffic)
     ideals = enumerate_ideals(units.dag, exact_limit) if exact_limit > 0 else None
-    if ideals is not None:
-        unit_stage, best = _split_on_ideals(units, values, ideals, num_stages, slack, traffic)
-        method = "ideals"
-    else:
-        unit_stage, best, method = _split_on_orders(
-            g, units, values, num_stages, slack, traffic, window_limit
-        )
+
+    def split(within: float) -> tuple[np.ndarray, float, str]:
+        if ideals is not None:
+            stages, bottleneck = _split_on_ideals(
+                units, values, ideals, num_stages, within, traffic
+            )
+            return stages, bottleneck, "ideals"
+        return _split_on_orders(g, units, values, num_stages, within, traffic, window_limit)
+
+    unit_stage, best, method = split(slack)
     moved = sent_bytes(values, unit_stage, num_stages, traffic)
+    if slack > 0:  # the slack must buy fewer bytes: else keep the best bottleneck
+        tight_stage, tight_best, tight_method = split(0.0)
+        tight_moved = sent_bytes(values, tight_stage, num_stages, traffic)
+        if tight_moved <= moved and tight_best < best:
+            unit_stage, best, method, moved = tight_stage, tight_best, tight_method, tight_moved
     stage_of = node_stages(g, units, unit_stage, num_stages)
     info = {
         "units": units.num_units,

@@ -217,6 +217,26 @@ def test_slack_trades_at_most_five_percent_for_fewer_bytes(name: str, exact_limi
         loose = partition_graph(g, k, slack=0.05, exact_limit=exact_limit, traffic=traffic)
         assert loose.bottleneck <= tight.bottleneck * 1.05 * (1 + 1e-9)
         assert loose.border_bytes <= tight.border_bytes
+        if loose.border_bytes == tight.border_bytes:
+            assert loose.bottleneck <= tight.bottleneck
+
+
+@pytest.mark.parametrize("exact_limit", [0, EXACT_LIMIT])
+@pytest.mark.parametrize("seed", range(0, 60, 12))
+def test_the_slack_buys_fewer_bytes_or_costs_nothing(seed: int, exact_limit: int) -> None:
+    """A split within the slack that sends no fewer bytes than the best-bottleneck split is
+    dominated: then the best-bottleneck split is kept."""
+    for s in range(seed, seed + 6):
+        rng = random.Random(s)
+        g = random_dag(rng, rng.randrange(10, 40), rng.choice([0.0, 0.1, 0.3]))
+        for k in (2, 3, 4):
+            if build_units(g).num_units < k:
+                continue
+            tight = partition_graph(g, k, exact_limit=exact_limit)
+            loose = partition_graph(g, k, slack=0.05, exact_limit=exact_limit)
+            assert loose.border_bytes <= tight.border_bytes, (s, k)
+            if loose.border_bytes == tight.border_bytes:
+                assert loose.bottleneck <= tight.bottleneck, (s, k)
 
 
 def test_unknown_traffic_is_refused_with_the_choices() -> None:
