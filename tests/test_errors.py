@@ -346,6 +346,9 @@ CATALOGUE: dict[str, Bad] = {
     ),
     "cost mode does not exist": Bad(net, _build(cost="FLOPS"), ConfigError, "cost='FLOPS'"),
     "cost None": Bad(net, _build(cost=None), ConfigError, "cost=None"),
+    "slack negative": Bad(net, _build(slack=-0.1), ConfigError, r"slack=-0\.1 must be a number"),
+    "slack as text": Bad(net, _build(slack="5%"), ConfigError, "slack='5%' must be a number"),
+    "slack not a number": Bad(net, _build(slack=float("nan")), ConfigError, "slack=nan"),
     "deferred_batch_norm on an export-only model": Bad(
         export_only,
         lambda m: _export_pipe(m, deferred_batch_norm=True),
