@@ -1,0 +1,180 @@
+"""Plans Hugging Face models at their published sizes on ``meta`` devices: no weights, no
+memory, FLOP costs. The partitioner at the scale it is meant for.
+
+Run from the repository root (transformers is in the ``test`` extra)::
+
+    python benchmarks/hf_plan.py [--out PATH] [--models llama-7b gpt2-xl] [--stages 4 8]
+
+For each model (a batch of 8 sequences of 1,024 tokens, ``use_cache=False``) and K: the
+fxpipe bottleneck over LB0 = max(total / K, heaviest unit) at slack 0, the default 1% and
+5%; the activation bytes the stages send each other (direct sends) for the split a min-max
+solver without a bytes objective returns on the fx order (``mm``) and for fxpipe at each
+slack; the planning time (``partition_graph`` alone, and the whole ``fxpipe.plan``, which
+adds tracing with torch.export and pricing on fake tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from partition import format_table, traffic
+from torch import nn
+
+import fxpipe
+from fxpipe.passes.cost_model import estimate_costs
+from fxpipe.passes.dp import min_max_split
+from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.partition import node_stages, partition_graph
+from fxpipe.passes.units import build_units
+from fxpipe.tracing import trace
+
+BATCH, TOKENS = 8, 1024
+SLACKS = (0.0, 0.01, 0.05)
+GIB = 2.0**30
+
+
+def _llama_7b() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+        max_position_embeddings=4096, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2_xl() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
+        use_cache=False,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "llama-7b": (_llama_7b, 32000),
+    "gpt2-xl": (_gpt2_xl, 50257),
+}
+
+
+def rows_for(name: str, stages: Sequence[int]) -> list[dict[str, Any]]:
+    build, vocab = MODELS[name]
+    with torch.device("meta"):
+        model = build()
+    ids = torch.randint(0, vocab, (BATCH, TOKENS), device="meta")
+    started = time.perf_counter()
+    traced = trace(model, (ids,), {})
+    costs = estimate_costs(traced.graph_module, traced.example_values, mode="flops")
+    g = to_networkx(traced.graph_module, costs)
+    front_s = time.perf_counter() - started
+    units = build_units(g)
+    total = float(units.weight.sum())
+    out = []
+    for k in stages:
+        lb0 = max(total / k, float(units.weight.max()))
+        first = max(units.pinned_first, default=-1) + 1
+        _, borders = min_max_split(units.weight, k, first_cut=first)
+        unit_stage = torch.searchsorted(
+            torch.tensor(borders), torch.arange(units.num_units), right=True
+        ).numpy()
+        mm_bytes, _ = traffic(g, node_stages(g, units, unit_stage, k))
+        row: dict[str, Any] = {
+            "model": name,
+            "K": k,
+            "nodes": g.number_of_nodes(),
+            "units": units.num_units,
+            "trace_and_price_s": front_s,
+            "mm_gib": mm_bytes / GIB,
+        }
+        for slack in SLACKS:
+            t0 = time.perf_counter()
+            part = partition_graph(g, k, slack=slack)
+            seconds = time.perf_counter() - t0
+            sent, _ = traffic(g, part.stage_of)
+            key = f"{slack:.0%}"
+            row[f"bneck_lb0@{key}"] = part.bottleneck / lb0
+            row[f"gib@{key}"] = sent / GIB
+            row[f"plan_s@{key}"] = seconds
+            row[f"method@{key}"] = part.method
+        row["mm_over_5%"] = row["mm_gib"] / max(row["gib@5%"], 1e-12)
+        t0 = time.perf_counter()
+        fxpipe.plan(model, ids, ["meta"] * k, cost="flops")
+        row["fxpipe_plan_s"] = time.perf_counter() - t0
+        out.append(row)
+    return out
+
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("model", lambda r: r["model"]),
+    ("K", lambda r: str(r["K"])),
+    ("nodes", lambda r: f"{r['nodes']:,}"),
+    *[
+        (f"bn/LB0@{s:.0%}", (lambda key: lambda r: f"{r[f'bneck_lb0@{key}']:.3f}")(f"{s:.0%}"))
+        for s in SLACKS
+    ],
+    ("GiB mm", lambda r: f"{r['mm_gib']:.2f}"),
+    *[
+        (f"GiB@{s:.0%}", (lambda key: lambda r: f"{r[f'gib@{key}']:.2f}")(f"{s:.0%}"))
+        for s in SLACKS
+    ],
+    ("mm/5%", lambda r: f"{r['mm_over_5%']:.2f}"),
+    ("split s@1%", lambda r: f"{r['plan_s@1%']:.2f}"),
+    ("method@1%", lambda r: r["method@1%"]),
+    ("fxpipe.plan s", lambda r: f"{r['fxpipe_plan_s']:.1f}"),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "hf_plan.json",
+        help="where to write the JSON rows (default: benchmarks/results/hf_plan.json)",
+    )
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--stages", type=int, nargs="*", default=[4, 8])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    command = shlex.join(["python", *sys.argv])
+    print(
+        f"command: {command}\ntorch {torch.__version__}, transformers "
+        f"{transformers.__version__}, python {platform.python_version()}",
+        flush=True,
+    )
+    rows = [r for name in args.models for r in rows_for(name, args.stages)]
+    print(
+        "\nBatch 8 x 1,024 tokens, FLOP costs, meta devices. bn/LB0: bottleneck over "
+        "max(total/K, heaviest unit). GiB: activation bytes sent between stages per batch, "
+        "min-max-only split of the fx order (mm) and fxpipe at each slack.\n"
+    )
+    print(format_table(rows, COLUMNS))
+    wall = time.perf_counter() - started
+    print(f"\nwall time {wall:.0f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "batch": BATCH,
+        "tokens": TOKENS,
+        "rows": rows,
+        "wall_s": wall,
+    }
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
