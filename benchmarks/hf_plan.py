@@ -6,10 +6,10 @@ Run from the repository root (transformers is in the ``test`` extra)::
     python benchmarks/hf_plan.py [--out PATH] [--models llama-7b gpt2-xl] [--stages 4 8]
 
 For each model (a batch of 8 sequences of 1,024 tokens, ``use_cache=False``) and K: the
-fxpipe bottleneck over LB0 = max(total / K, heaviest unit) at slack 0, the default 1% and
-5%; the activation bytes the stages send each other (direct sends) for the split a min-max
-solver without a bytes objective returns on the fx order (``mm``) and for fxpipe at each
-slack; the planning time (``partition_graph`` alone, and the whole ``fxpipe.plan``, which
+fxpipe bottleneck over LB0 = max(total / K, heaviest unit) at slack 0 (the default), 1%
+and 5%; the activation bytes the stages send each other (direct sends) for the split a
+min-max solver without a bytes objective returns on the fx order (``mm``) and for fxpipe
+at each slack; the planning time (``partition_graph`` alone, and the whole ``fxpipe.plan``, which
 adds tracing with torch.export and pricing on fake tensors).
 """
 

@@ -25,16 +25,11 @@ from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
 from fxpipe.tracing import Traced, _preserved, trace
 
-__all__ = ["plan", "pipeline", "compile_model", "Compiled", "DEFAULT_SLACK"]
+__all__ = ["plan", "pipeline", "compile_model", "Compiled"]
 
 CostArg = str | Callable[[fx.Node], float]
 #: Graphs up to this many nodes are profiled when ``cost="auto"`` and the devices allow it.
 AUTO_TIME_MAX_NODES = 3000
-#: How much the bottleneck may grow, by default, to send fewer bytes between stages. Splits
-#: within a hair of the best bottleneck often send several times fewer bytes (Llama-7B's
-#: shape over 4 stages: 5.4 GiB per batch at 0, 1.0 GiB at 1%), and 1% keeps the plan
-#: within the 1% of the exact optimum that chain-like graphs are held to.
-DEFAULT_SLACK = 0.01
 
 
 @dataclass(frozen=True)
@@ -76,13 +71,13 @@ def plan(
     tracer: str = "auto",
     example_kwargs: Mapping[str, Any] | None = None,
     chunks: int | None = None,
-    slack: float = DEFAULT_SLACK,
+    slack: float = 0.0,
 ) -> PipelinePlan:
     """Trace ``model``, price its nodes and split it across ``devices``; runs nothing on them.
 
-    ``slack`` lets the bottleneck grow by that fraction (default ``DEFAULT_SLACK``, 1%) to
-    send fewer bytes between stages; 0 keeps the best bottleneck whatever the bytes. The
-    model is not modified.
+    ``slack`` lets the bottleneck grow by that fraction (0.01 = 1%) where that sends fewer
+    bytes between stages; the default 0 keeps the best bottleneck, with the fewest bytes
+    among the splits that reach it. The model is not modified.
     """
     compiled = compile_model(
         model,
@@ -110,7 +105,7 @@ def pipeline(
     example_kwargs: Mapping[str, Any] | None = None,
     deferred_batch_norm: bool = False,
     output_device: Any = None,
-    slack: float = DEFAULT_SLACK,
+    slack: float = 0.0,
 ) -> Pipeline:
     """Compile ``model`` into stages over ``devices`` and return a drop-in ``nn.Module``.
 
@@ -155,7 +150,7 @@ def compile_model(
     example_kwargs: Mapping[str, Any] | None = None,
     chunks: int | None = None,
     checkpoint: str = "except_last",
-    slack: float = DEFAULT_SLACK,
+    slack: float = 0.0,
     mode: str = "direct",
     require_present: bool = True,
 ) -> Compiled:

@@ -13,7 +13,6 @@ from models import ZOO
 from torch import nn
 
 import fxpipe
-from fxpipe.api import DEFAULT_SLACK
 from fxpipe.errors import ConfigError, DeviceError, FxPipeError, InputError
 
 
@@ -314,22 +313,22 @@ def test_the_user_model_survives_a_failed_trace() -> None:
     assert copy.deepcopy(model)(torch.randn(2, 4)).shape == (2, 4)
 
 
-def test_default_slack_grows_the_bottleneck_at_most_1pct_for_fewer_bytes() -> None:
-    """The default plan may give up to DEFAULT_SLACK of bottleneck for fewer bytes: never
-    more than that, never more bytes than the plan that keeps the best bottleneck, and no
-    bottleneck at all for the same bytes (the GPT at K=3 gave 0.55% for nothing before)."""
+def test_a_1pct_slack_grows_the_bottleneck_at_most_1pct_for_fewer_bytes() -> None:
+    """``slack=0.01`` may give up to 1% of bottleneck for fewer bytes: never more than that,
+    never more bytes than the default plan (the best bottleneck), and no bottleneck at all
+    for the same bytes (the GPT at K=3 gave 0.55% for nothing before)."""
     fewer = 0
     for name in ("transformer", "resnet", "unet"):
         case = ZOO[name]
         args, kwargs = case.example(case.batch)
         options = dict(example_kwargs=kwargs, cost="flops", tracer=case.tracer)
         for stages in (2, 3, 4):
-            best = fxpipe.plan(case.build(), args, ["cpu"] * stages, slack=0.0, **options)
-            loose = fxpipe.plan(case.build(), args, ["cpu"] * stages, **options)
-            assert loose.bottleneck <= (1 + DEFAULT_SLACK) * best.bottleneck * (1 + 1e-9)
+            best = fxpipe.plan(case.build(), args, ["cpu"] * stages, **options)
+            loose = fxpipe.plan(case.build(), args, ["cpu"] * stages, slack=0.01, **options)
+            assert loose.bottleneck <= 1.01 * best.bottleneck * (1 + 1e-9)
             sent = [sum(e.bytes * len(e.consumers) for e in p.edges) for p in (best, loose)]
             assert sent[1] <= sent[0], (name, stages, sent)
             if sent[1] == sent[0]:
                 assert loose.bottleneck <= best.bottleneck, (name, stages)
             fewer += sent[1] < sent[0]
-    assert fewer >= 2  # the default is a real slack: it bought fewer bytes somewhere
+    assert fewer >= 2  # the slack reaches the partitioner and buys fewer bytes somewhere

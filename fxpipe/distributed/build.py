@@ -22,7 +22,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.api import DEFAULT_SLACK, Compiled, compile_model
+from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
 from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
@@ -61,7 +61,7 @@ def pipeline_schedule(
     cost: str | Callable[[fx.Node], float] = "flops",
     tracer: str = "auto",
     scale_grads: bool = False,
-    slack: float = DEFAULT_SLACK,
+    slack: float = 0.0,
 ) -> DistributedPipeline:
     """Plan ``model`` into ``world_size * stages_per_rank`` stages; build this rank's part.
 
