@@ -131,6 +131,7 @@ def _trace_fx(
     bound: inspect.BoundArguments,
     given: inspect.BoundArguments,
 ) -> Traced:
+    del given  # fx binds every parameter: placeholders follow the defaults-applied binding
     concrete = {k: v for k, v in bound.arguments.items() if not _holds_tensor(v)}
     tracer = _Tracer(_shared_parameter_owners(model))
     graph = tracer.trace(model, concrete_args=concrete or None)
