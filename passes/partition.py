@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,29 +130,26 @@ def partition_graph(
     _check_enough_units(g, units, num_stages)
     values = _values(g, units, traffic)
     ideals = enumerate_ideals(units.dag, exact_limit) if exact_limit > 0 else None
-
-    def split(within: float) -> tuple[np.ndarray, float, str]:
-        if ideals is not None:
-            stages, bottleneck = _split_on_ideals(
-                units, values, ideals, num_stages, within, traffic
-            )
-            return stages, bottleneck, "ideals"
-        return _split_on_orders(g, units, values, num_stages, within, traffic, window_limit)
-
-    unit_stage, best, method = split(slack)
+    if ideals is not None:
+        best, pick = _search_on_ideals(units, values, ideals, num_stages, traffic)
+    else:
+        best, pick = _search_on_orders(g, units, values, num_stages, traffic, window_limit)
+    unit_stage, method = pick(_cap(best, slack))
     moved = sent_bytes(values, unit_stage, num_stages, traffic)
+    bottleneck = _bottleneck(units.weight, unit_stage, num_stages)
     if slack > 0:  # the slack must buy fewer bytes: else keep the best bottleneck
-        tight_stage, tight_best, tight_method = split(0.0)
+        tight_stage, tight_method = pick(_cap(best, 0.0))
         tight_moved = sent_bytes(values, tight_stage, num_stages, traffic)
-        if tight_moved <= moved and tight_best < best:
-            unit_stage, best, method, moved = tight_stage, tight_best, tight_method, tight_moved
+        tighter = _bottleneck(units.weight, tight_stage, num_stages)
+        if tight_moved <= moved and tighter < bottleneck:
+            unit_stage, method, moved, bottleneck = tight_stage, tight_method, tight_moved, tighter
     stage_of = node_stages(g, units, unit_stage, num_stages)
     info = {
         "units": units.num_units,
         "ideals": None if ideals is None else len(ideals),
         "seconds": time.perf_counter() - started,
     }
-    return Partition(stage_of, best, method, moved, traffic, info)
+    return Partition(stage_of, bottleneck, method, moved, traffic, info)
 
 
 def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
@@ -200,12 +198,20 @@ def _values(g: nx.DiGraph, units: Units, traffic: str) -> list[_Value]:
     return out
 
 
-def _split_on_ideals(
-    units: Units, values: list[_Value], ideals: np.ndarray, k: int, slack: float, traffic: str
-) -> tuple[np.ndarray, float]:
+#: The split that sends the fewest bytes with every stage <= a cap: (unit stages, method).
+Pick = Callable[[float], tuple[np.ndarray, str]]
+
+
+def _search_on_ideals(
+    units: Units, values: list[_Value], ideals: np.ndarray, k: int, traffic: str
+) -> tuple[float, Pick]:
+    """The exact best bottleneck over every convex split, and the fewest-bytes pick."""
     best, _ = ideal_split(ideals, units.weight, k, required_first=sorted(units.pinned_first))
-    unit_stage = _fewest_bytes_on_ideals(units, values, ideals, k, _cap(best, slack), traffic)
-    return unit_stage, _bottleneck(units.weight, unit_stage, k)
+
+    def pick(cap: float) -> tuple[np.ndarray, str]:
+        return _fewest_bytes_on_ideals(units, values, ideals, k, cap, traffic), "ideals"
+
+    return best, pick
 
 
 def _fewest_bytes_on_ideals(
@@ -288,48 +294,50 @@ def _bytes_entering(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
     return np.asarray(np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T)
 
 
-def _split_on_orders(
+def _search_on_orders(
     g: nx.DiGraph,
     units: Units,
     values: list[_Value],
     k: int,
-    slack: float,
     traffic: str,
     window_limit: int,
-) -> tuple[np.ndarray, float, str]:
-    """The best order's split, its borders then re-placed exactly within windows; the
-    fewest bytes within the slack, from the windows' splits or the orders' (every order's
-    on graphs of at most ``RANDOM_ORDERS_MAX_UNITS`` units, else the best one's)."""
+) -> tuple[float, Pick]:
+    """The best order's split, its borders then re-placed exactly within windows; the pick
+    takes the fewest bytes under a cap from the windows' splits or the orders' (every
+    order's on graphs of at most ``RANDOM_ORDERS_MAX_UNITS`` units, else the best one's)."""
     tried = _orders_tried(units, k)
     best, name, order, first, borders = min(tried, key=lambda r: r[0])
-    candidates = []  # (unit stages, method), windows first: they win ties
     window = None
     if window_limit > 0 and np.isfinite(best):
         minmax = _order_stages(units, order, borders)
         window, best = _windows_until_stable(units, minmax, best, k, window_limit)
-    cap = _cap(best, slack)
-    if window is not None:
-        coarse, of_unit, ideals = window
-        chosen = _fewest_bytes_on_ideals(
-            coarse, _coarse_values(values, of_unit), ideals, k, cap, traffic
-        )
-        candidates.append((chosen[of_unit], f"order:{name}+windows"))
     small = units.num_units <= RANDOM_ORDERS_MAX_UNITS
-    for value, other, other_order, other_first, other_borders in tried:
-        if not value <= cap or not (small or other_order is order):
-            continue
-        candidates.append((_order_stages(units, other_order, other_borders), f"order:{other}"))
-        moved, cut = min_bytes_split(
-            units.weight[other_order], _cut_bytes(other_order, values), k, cap,
-            first_cut=other_first,
-        )  # fmt: skip
-        if np.isfinite(moved):
-            candidates.append((_order_stages(units, other_order, cut), f"order:{other}"))
-    unit_stage, method = min(
-        candidates,
-        key=lambda c: (sent_bytes(values, c[0], k, traffic), _sum_of_squares(units, c[0], k)),
-    )
-    return unit_stage, _bottleneck(units.weight, unit_stage, k), method
+
+    def pick(cap: float) -> tuple[np.ndarray, str]:
+        candidates = []  # (unit stages, method), windows first: they win ties
+        if window is not None:
+            coarse, of_unit, ideals = window
+            chosen = _fewest_bytes_on_ideals(
+                coarse, _coarse_values(values, of_unit), ideals, k, cap, traffic
+            )
+            candidates.append((chosen[of_unit], f"order:{name}+windows"))
+        for value, other, other_order, other_first, other_borders in tried:
+            if not value <= cap or not (small or other_order is order):
+                continue
+            stages = _order_stages(units, other_order, other_borders)
+            candidates.append((stages, f"order:{other}"))
+            moved, cut = min_bytes_split(
+                units.weight[other_order], _cut_bytes(other_order, values), k, cap,
+                first_cut=other_first,
+            )  # fmt: skip
+            if np.isfinite(moved):
+                candidates.append((_order_stages(units, other_order, cut), f"order:{other}"))
+        return min(
+            candidates,
+            key=lambda c: (sent_bytes(values, c[0], k, traffic), _sum_of_squares(units, c[0], k)),
+        )
+
+    return best, pick
 
 
 def _windows_until_stable(
