@@ -27,14 +27,13 @@ from typing import Any
 
 import torch
 import transformers
-from partition import format_table, traffic
+from partition import format_table, min_max_only, traffic
 from torch import nn
 
 import fxpipe
 from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.dp import min_max_split
 from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import node_stages, partition_graph
+from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.units import build_units
 from fxpipe.tracing import trace
 
@@ -81,12 +80,7 @@ def rows_for(name: str, stages: Sequence[int]) -> list[dict[str, Any]]:
     out = []
     for k in stages:
         lb0 = max(total / k, float(units.weight.max()))
-        first = max(units.pinned_first, default=-1) + 1
-        _, borders = min_max_split(units.weight, k, first_cut=first)
-        unit_stage = torch.searchsorted(
-            torch.tensor(borders), torch.arange(units.num_units), right=True
-        ).numpy()
-        mm_bytes, _ = traffic(g, node_stages(g, units, unit_stage, k))
+        mm_bytes, _ = traffic(g, min_max_only(g, units, None, k))  # on the fx order
         row: dict[str, Any] = {
             "model": name,
             "K": k,

@@ -480,7 +480,8 @@ def targets(zoo: list[dict[str, Any]], plans: list[dict[str, Any]]) -> list[dict
             ("bench", HETEROGENEOUS, "CNN/LM"),
             ("test", ZOO, "zoo"),
         ):
-            values = [r[key] for r in zoo if r["size"] == size and r["model"] in models]
+            rows = [r for r in zoo if r["size"] == size and r["model"] in models]
+            values = [r[key] for r in rows]
             if not values:
                 continue
             median = statistics.median(values)
@@ -493,15 +494,9 @@ def targets(zoo: list[dict[str, Any]], plans: list[dict[str, Any]]) -> list[dict
             # The best bottleneck known: the exact optimum, or fxpipe's split where only the
             # fx order's optimum is computable and fxpipe beats it ("fo" rows).
             known = [
-                r[key] * r["bottleneck_ms"] / min(r["exact_ms"], r["bottleneck_ms"])
-                for r in zoo
-                if r["size"] == size and r["model"] in models
+                r[key] * r["bottleneck_ms"] / min(r["exact_ms"], r["bottleneck_ms"]) for r in rows
             ]
-            proven = sum(
-                r["exact_method"] == "ideals"
-                for r in zoo
-                if r["size"] == size and r["model"] in models
-            )
+            proven = sum(r["exact_method"] == "ideals" for r in rows)
             add(
                 f"  bound: {label} / best split known, same rows",
                 "-",
