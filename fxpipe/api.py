@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from fxpipe.binding import argument_name
@@ -19,6 +21,7 @@ from fxpipe.errors import ConfigError, DeviceError, InputError, PlanError
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.passes.cost_model import COST_MODES, estimate_costs
 from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.ops import op_name
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.split_stages import split_stages
@@ -161,15 +164,17 @@ def compile_model(
     args = _example_args(example_input)
     batch = _example_batch(inspect.signature(model.forward), args, example_kwargs or {})
     traced = trace(model, args, example_kwargs, tracer=tracer)
-    with _preserved(model):  # fake runs may still write into real buffers
+    with _preserved(model), _fake_runnable(model):  # fake runs may write into real buffers
         _check_outputs_follow_batch(traced, batch)
     mode_name = _cost_mode(cost, traced.graph_module, targets, model)
-    costs = estimate_costs(
-        traced.graph_module,
-        traced.example_values,
-        mode=mode_name,
-        device=targets[0] if mode_name == "time" else None,
-    )
+    with _fake_runnable(model):
+        costs = estimate_costs(
+            traced.graph_module,
+            traced.example_values,
+            mode=mode_name,
+            device=targets[0] if mode_name == "time" else None,
+        )
+
     g = to_networkx(traced.graph_module, costs)
     parts = partition_graph(g, len(targets), slack=slack, traffic=mode)
     default_chunks = max(1, min(4 * len(targets), batch))
@@ -185,6 +190,22 @@ def compile_model(
     )
     program = split_stages(the_plan, traced.output_spec, mode=mode)
     return Compiled(traced, the_plan, program)
+
+
+@contextmanager
+def _fake_runnable(model: nn.Module) -> Iterator[None]:
+    """Let fake-tensor runs through BatchNorms with ``momentum=None`` (a cumulative average):
+    they read their batch count into Python to update the running statistics, which fake
+    tensors cannot; a fixed momentum while pricing gives the same outputs and shapes (the
+    buffers are restored afterwards by the callers)."""
+    cumulative = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.momentum is None]
+    for m in cumulative:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m in cumulative:
+            m.momentum = None
 
 
 def _check_meta_stages(model: nn.Module, devices: Sequence[torch.device]) -> None:
@@ -283,7 +304,7 @@ def _check_outputs_follow_batch(traced: Traced, batch: int) -> None:
             runs.append(runner.outputs(traced.example_values, size))
         except DataDependentOutputException as e:
             node = runner.node
-            if node is not None and node in output.args[0]:
+            if node is not None and node in output.args[0] and _reads_scalar(node):
                 raise PlanError(
                     f"output value {node.name!r} ({node.format_node()}) is read "
                     "out of a tensor into Python: each micro-batch would return its own; "
@@ -309,6 +330,18 @@ def _check_outputs_follow_batch(traced: Traced, batch: int) -> None:
                 f"{batch + 1}: it depends on the batch size, so each micro-batch would return "
                 "its own; return it as a batch-first tensor or compute it outside the model"
             )
+
+
+#: Ops that read a tensor's value into Python (a number or a list).
+_SCALAR_READS = frozenset(
+    {"item", "tolist", "_local_scalar_dense", "int", "float", "bool", "__int__", "__float__"}
+)
+
+
+def _reads_scalar(node: fx.Node) -> bool:
+    """Whether ``node`` itself turns a tensor into a Python value (not a module or op that
+    reads a number internally, as a BatchNorm with ``momentum=None`` does)."""
+    return node.op in ("call_function", "call_method") and op_name(node) in _SCALAR_READS
 
 
 class _Shape(tuple[int, ...]):

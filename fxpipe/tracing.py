@@ -17,6 +17,7 @@ import functools
 import inspect
 import io
 import operator
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -27,6 +28,11 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
+from fxpipe.autograd_functions import (
+    describe_function,
+    functions_kept_whole,
+    functions_recorded,
+)
 from fxpipe.binding import InputBinder, bind_arguments, given_arguments, leaf_positions
 from fxpipe.errors import ConfigError, FxPipeError, TraceError
 from fxpipe.passes.cost_model import estimate_costs
@@ -102,6 +108,19 @@ class _Tracer(fx.Tracer):
         #: How often each leaf module was called; one called twice is traced through next
         #: time, so that its parameters become get_attr values like tied ones.
         self.leaf_calls: dict[str, int] = {}
+        #: The last value handed to ``create_arg`` from outside it: after tracing, what
+        #: forward returned, with its own container types (fx records every dict as dict).
+        self.returned: Any = None
+        self._depth = 0
+
+    def create_arg(self, a: Any) -> Any:
+        self._depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.returned = a
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.shared_owners:
@@ -134,17 +153,18 @@ def _trace_fx(
     del given  # fx binds every parameter: placeholders follow the defaults-applied binding
     concrete = {k: v for k, v in bound.arguments.items() if not _holds_tensor(v)}
     tracer = _Tracer(_shared_parameter_owners(model))
-    graph = tracer.trace(model, concrete_args=concrete or None)
-    reused = frozenset(p for p, n in tracer.leaf_calls.items() if n > 1)
-    if reused:  # a leaf called twice would put its parameters in two stages
-        tracer = _Tracer(tracer.shared_owners | reused)
+    with functions_kept_whole():
         graph = tracer.trace(model, concrete_args=concrete or None)
+        reused = frozenset(p for p, n in tracer.leaf_calls.items() if n > 1)
+        if reused:  # a leaf called twice would put its parameters in two stages
+            tracer = _Tracer(tracer.shared_owners | reused)
+            graph = tracer.trace(model, concrete_args=concrete or None)
     _plain_placeholders(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, set(concrete))
     _merge_aliased_attributes(gm)
     replicate_shape_queries(gm)
-    spec = _flatten_output(gm)
+    spec = _flatten_output(gm, tracer.returned)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     binder = InputBinder.from_example(
         signature, bound, kind="params", targets=targets, shape_specialized=False
@@ -168,9 +188,18 @@ def _trace_export(
         for k, v in given.arguments.items()
     }
     quiet = io.StringIO()  # export prints partial graphs on failure
+    functions: list[type] = []
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        program = torch.export.export(
-            model, tuple(given.args), dict(given.kwargs), strict=False, dynamic_shapes=dynamic
+        with functions_recorded(functions):
+            program = torch.export.export(
+                model, tuple(given.args), dict(given.kwargs), strict=False, dynamic_shapes=dynamic
+            )
+    if functions:
+        raise RuntimeError(
+            f"custom autograd Function {describe_function(functions[0])} would lose its "
+            "backward: torch.export records the ops of its forward, so the pipeline would "
+            "differentiate those instead; make the model traceable by torch.fx "
+            "(tracer='fx' keeps such Functions whole)"
         )
     unlifted = program.module()
     assert isinstance(unlifted, fx.GraphModule)
@@ -180,6 +209,7 @@ def _trace_export(
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
     kept = _drop_guards_and_constants(gm, given)
+    _reattach_grad_constants(gm, program.constants)
     _merge_aliased_attributes(gm)
     replicate_shape_queries(gm)
     position = leaf_positions(signature, given, bound)
@@ -192,6 +222,21 @@ def _trace_export(
     )
     values = binder.bind(bound.args, bound.kwargs)
     return Traced(gm, binder, out_spec, "export", values)
+
+
+def _reattach_grad_constants(gm: fx.GraphModule, constants: Mapping[str, Any]) -> None:
+    """Point the graph at the model's own tensors where export lifted a tensor that requires
+    grad but is not a Parameter (a plain attribute, a closed-over tensor): export keeps a
+    detached copy, so the gradient would never reach the model's tensor."""
+    for node in gm.graph.nodes:
+        value = constants.get(str(node.target)) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            owner, _, name = str(node.target).rpartition(".")
+            module = gm.get_submodule(owner)
+            if name in module._buffers:
+                module._buffers[name] = value
+            else:
+                setattr(module, name, value)
 
 
 def _recompute_shared_inputs(gm: fx.GraphModule, values: Sequence[Any]) -> None:
@@ -339,15 +384,20 @@ def _merge_aliased_attributes(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, like: Any = None) -> Any:
     """fx stores containers as immutable_dict / immutable_list; the user returned a dict
+    (an OrderedDict where ``like``, the value forward returned, has one with these keys)
     or a list."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        same = isinstance(like, dict) and list(like) == list(value)
+        kind = OrderedDict if same and type(like) is OrderedDict else dict
+        return kind((k, _plain(v, like[k] if same else None)) for k, v in value.items())
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        same = isinstance(like, list) and len(like) == len(value)
+        return [_plain(v, like[i] if same else None) for i, v in enumerate(value)]
     if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_plain(v) for v in value)
+        same = isinstance(like, tuple) and len(like) == len(value)
+        return tuple(_plain(v, like[i] if same else None) for i, v in enumerate(value))
     return value
 
 
@@ -364,22 +414,26 @@ def _expand_dataclass(value: Any) -> Any:
     return cls(*value.args, **value.kwargs)
 
 
-def _flatten_output(gm: fx.GraphModule) -> TreeSpec:
-    """Make the graph return a flat tuple of leaves; return the original structure's spec."""
+def _flatten_output(gm: fx.GraphModule, returned: Any = None) -> TreeSpec:
+    """Make the graph return a flat tuple of leaves; return the original structure's spec
+    (``returned``, what forward returned while traced, gives dict subclasses back)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    leaves, spec = tree_flatten(tree_map(_expand_dataclass, _plain(output.args[0])))
+    leaves, spec = tree_flatten(tree_map(_expand_dataclass, _plain(output.args[0], returned)))
     output.args = (tuple(leaves),)
     gm.recompile()
     return spec
 
 
 class _preserved:
-    """Restore the model's training flags, buffers and RNG state after tracing."""
+    """Restore the model's training flags, buffers and RNG state after tracing, and drop the
+    attributes tracing added to it (fx keeps a tensor the forward closes over as a new
+    attribute ``_tensor_constant0`` of the model; the graph module holds its own reference)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def __enter__(self) -> _preserved:
+        self.attributes = set(vars(self.model))
         self.modes = [(m, m.training) for m in self.model.modules()]
         self.buffers = [
             (name, b, b.detach().clone(), b._version)
@@ -401,3 +455,5 @@ class _preserved:
                 if b.shape == saved.shape:
                     b.copy_(saved)
         torch.random.set_rng_state(self.rng)
+        for name in set(vars(self.model)) - self.attributes:
+            delattr(self.model, name)

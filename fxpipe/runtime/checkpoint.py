@@ -99,14 +99,23 @@ def _buffer_versions(function: Callable[..., Any]) -> list[tuple[torch.Tensor, i
 
 
 def _needs_grad(rec: _Recomputation) -> bool:
-    """Whether the stage's outputs can carry a gradient: an input or a parameter needs one
-    (any callable that is not a module may hold parameters of its own)."""
+    """Whether the stage's outputs can carry a gradient: an input or a tensor the stage
+    holds needs one (any callable that is not a module may hold such tensors)."""
     if any(x.requires_grad for x in rec.in_tensors):
         return True
     function = rec.function
     if not isinstance(function, nn.Module):
         return True
-    return any(p.requires_grad for p in function.parameters())
+    return any(t.requires_grad for t in _held_tensors(function))
+
+
+def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor ``module`` and its submodules hold: parameters, buffers and plain
+    tensor attributes (a tensor that requires grad need not be a Parameter)."""
+    yield from module.parameters()
+    yield from module.buffers()
+    for m in module.modules():
+        yield from (v for v in vars(m).values() if isinstance(v, torch.Tensor))
 
 
 def _batch_norm_buffers(function: Callable[..., Any]) -> list[torch.Tensor]:
