@@ -17,6 +17,7 @@ import functools
 import inspect
 import io
 import operator
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ from fxpipe.autograd_functions import (
     functions_recorded,
 )
 from fxpipe.binding import InputBinder, bind_arguments, given_arguments, leaf_positions
-from fxpipe.errors import ConfigError, FxPipeError, TraceError
-from fxpipe.passes.cost_model import estimate_costs
+from fxpipe.errors import ConfigError, TraceError
+from fxpipe.passes.cost_model import output_sizes
 from fxpipe.recompute import recompute_input_values
 from fxpipe.shapes import replicate_shape_queries
 from fxpipe.trace_errors import trace_error
@@ -201,7 +202,9 @@ def _trace_export(
             "differentiate those instead; make the model traceable by torch.fx "
             "(tracer='fx' keeps such Functions whole)"
         )
-    unlifted = program.module()
+    with warnings.catch_warnings():  # such tensors are reattached to the model's below
+        warnings.filterwarnings("ignore", message=".*requires gradient.*not properly registered")
+        unlifted = program.module()
     assert isinstance(unlifted, fx.GraphModule)
     out_spec = unlifted._out_spec
     assert out_spec is not None, "torch.export gave a module without an output spec"
@@ -241,17 +244,9 @@ def _reattach_grad_constants(gm: fx.GraphModule, constants: Mapping[str, Any]) -
 
 def _recompute_shared_inputs(gm: fx.GraphModule, values: Sequence[Any]) -> None:
     """Recompute shared input-derived values beside their readers (:mod:`fxpipe.recompute`),
-    sized by one run on fake tensors; left as they are when that run fails (the pricing
-    that follows reports the failing node)."""
-
-    def sizes() -> dict[str, int] | None:
-        try:
-            table = estimate_costs(gm, values, mode="params")
-        except FxPipeError:
-            return None
-        return {name: c.output_bytes for name, c in table.nodes.items()}
-
-    recompute_input_values(gm, sizes)
+    sized from the shapes torch.export recorded or by one run on fake tensors; left as
+    they are when that run fails (the pricing that follows reports the failing node)."""
+    recompute_input_values(gm, lambda: output_sizes(gm, values))
 
 
 _TRACE = {"fx": _trace_fx, "export": _trace_export}
