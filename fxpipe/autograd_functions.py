@@ -29,7 +29,13 @@ _TARGETS: dict[type, _Apply] = {}
 
 
 def _original_apply() -> Any:
+    """The ``apply`` descriptor as torch defines it (a Python classmethod in some torch
+    versions, a C ``classmethod_descriptor`` in others)."""
     return torch.autograd.Function.__dict__["apply"]
+
+
+def _call_original(original: Any, cls: type, args: Any, kwargs: Any) -> Any:
+    return original.__get__(None, cls)(*args, **kwargs)
 
 
 @contextmanager
@@ -60,12 +66,12 @@ def _run_target(cls: type) -> _Apply:
 @contextmanager
 def functions_kept_whole() -> Iterator[None]:
     """While fx traces, a Function applied to traced values becomes one graph node."""
-    original = _original_apply().__func__
+    original = _original_apply()
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         proxies = [x for x in tree_leaves((args, kwargs)) if isinstance(x, fx.Proxy)]
         if not proxies:
-            return original(cls, *args, **kwargs)
+            return _call_original(original, cls, args, kwargs)
         tracer = proxies[0].tracer
         return tracer.create_proxy("call_function", _run_target(cls), args, kwargs)
 
@@ -77,13 +83,13 @@ def functions_kept_whole() -> Iterator[None]:
 def functions_recorded(found: list[type]) -> Iterator[None]:
     """Append to ``found`` every Function class applied, with grad enabled, to a tensor
     that requires grad (the calls whose backward a traced graph would lose)."""
-    original = _original_apply().__func__
+    original = _original_apply()
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             found.append(cls)
-        return original(cls, *args, **kwargs)
+        return _call_original(original, cls, args, kwargs)
 
     with _apply_replaced(apply):
         yield
