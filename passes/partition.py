@@ -165,11 +165,14 @@ def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
     if cuts >= num_stages - 1:
         return
     compute = sum(1 for _, op in g.nodes(data="op") if op != "placeholder")
+    most = cuts + 1
+    stages, devices = (
+        ("stage", "one device") if most == 1 else ("stages", f"at most {most} devices")
+    )
     raise PlanError(
-        f"the graph can be cut into at most {cuts + 1} stages ({units.num_units} indivisible "
+        f"the graph can be cut into at most {most} {stages} ({units.num_units} indivisible "
         f"groups of {compute} nodes; values that are not tensors never cross a stage border) "
-        f"but {num_stages} stages were asked; pass at most {cuts + 1} devices, or trace "
-        "finer-grained modules"
+        f"but {num_stages} stages were asked; pass {devices}, or trace finer-grained modules"
     )
 
 

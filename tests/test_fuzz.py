@@ -81,7 +81,7 @@ def _compile(model: nn.Module, x: torch.Tensor, stages: int, cost: str) -> Any:
     try:
         return compile_model(model, x, ["cpu"] * stages, cost=cost, tracer="fx"), stages
     except PlanError as e:
-        found = re.search(r"at most (\d+) stages", str(e))
+        found = re.search(r"at most (\d+) stages?", str(e))
         assert found is not None and 1 <= int(found.group(1)) < stages, str(e)
         fewer = int(found.group(1))
         return compile_model(model, x, ["cpu"] * fewer, cost=cost, tracer="fx"), fewer
