@@ -171,7 +171,8 @@ def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
     )
     raise PlanError(
         f"the graph can be cut into at most {most} {stages} ({units.num_units} indivisible "
-        f"groups of {compute} nodes; values that are not tensors never cross a stage border) "
+        f"group{'' if units.num_units == 1 else 's'} of {compute} nodes; values that are not "
+        "tensors never cross a stage border) "
         f"but {num_stages} stages were asked; pass {devices}, or trace finer-grained modules"
     )
 
