@@ -24,6 +24,9 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["functions_kept_whole", "functions_recorded", "describe_function"]
 
 _Apply = Callable[..., Any]
+#: Where torch.library makes the Function behind a custom op's registered backward; export
+#: keeps such an op as one node, backward and all, so its Function is not refused.
+_CUSTOM_OP_AUTOGRAD = "torch._library"
 #: One run-time target per Function class, so that repeated calls share a target.
 _TARGETS: dict[type, _Apply] = {}
 
@@ -87,7 +90,8 @@ def functions_recorded(found: list[type]) -> Iterator[None]:
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        generated = cls.__module__.startswith(_CUSTOM_OP_AUTOGRAD)
+        if torch.is_grad_enabled() and not generated and any(t.requires_grad for t in tensors):
             found.append(cls)
         return _call_original(original, cls, args, kwargs)
 

@@ -55,6 +55,41 @@ class StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+@torch.library.custom_op("fxpipe_trust::cube", mutates_args=())
+def cube(x: torch.Tensor) -> torch.Tensor:
+    """x ** 3, a custom op whose backward torch.library registers (not an fxpipe concern)."""
+    return x * x * x
+
+
+@cube.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _cube_setup(ctx: Any, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _cube_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return 3 * x * x * grad
+
+
+cube.register_autograd(_cube_backward, setup_context=_cube_setup)
+
+
+class CustomOp(nn.Module):
+    """A custom op with a registered backward between two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(cube(torch.tanh(self.a(x))))
+
+
 class Adversarial(nn.Module):
     """A feature extractor, a gradient reversal layer, then a head; quantised in between."""
 
@@ -216,6 +251,12 @@ def test_custom_function_is_refused_by_export() -> None:
         fxpipe.pipeline(model, torch.randn(8, 6), ["cpu"] * 2, tracer="export")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("tracer", TRACERS)
+def test_custom_op_with_registered_backward_is_kept(tracer: str) -> None:
+    # torch.library runs the op's backward through a Function of its own: not refused.
+    _compare(CustomOp, tracer, "except_last")
 
 
 @pytest.mark.parametrize("tracer", TRACERS)
