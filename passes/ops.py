@@ -107,11 +107,15 @@ def is_view(n: fx.Node) -> bool:
 
 def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     """The input ``node`` modifies in place, if any (``x.relu_()``, ``inplace=True``,
-    mutable aten overloads)."""
+    mutable aten overloads, ``x[i] = v``, and any call whose result nothing reads: a call
+    kept only for its effect, such as a leaf function that adds into its argument, is taken
+    to write into its first argument)."""
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     if first is None or node.op not in COMPUTE_OPS:
         return None
-    if node.kwargs.get("inplace") is True:
+    if node.kwargs.get("inplace") is True or node.target is operator.setitem:
+        return first
+    if not node.users and not _is_check(node):
         return first
     if node.op == "call_module":
         return first if getattr(gm.get_submodule(str(node.target)), "inplace", False) else None
@@ -129,3 +133,8 @@ def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     if name.endswith("_") and not name.startswith("_"):
         return first
     return None
+
+
+def _is_check(node: fx.Node) -> bool:
+    """An assertion fx records (``torch._assert``): it reads its argument, writes nothing."""
+    return node.target is torch._assert or "assert" in op_name(node)
