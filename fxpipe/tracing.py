@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
 from fxpipe.autograd_functions import (
+    FunctionCall,
+    backward_is_derivative,
     describe_function,
     functions_kept_whole,
     functions_recorded,
@@ -189,15 +191,16 @@ def _trace_export(
         for k, v in given.arguments.items()
     }
     quiet = io.StringIO()  # export prints partial graphs on failure
-    functions: list[type] = []
+    functions: list[FunctionCall] = []
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         with functions_recorded(functions):
             program = torch.export.export(
                 model, tuple(given.args), dict(given.kwargs), strict=False, dynamic_shapes=dynamic
             )
-    if functions:
+    lost = next((c.cls for c in functions if not backward_is_derivative(c)), None)
+    if lost is not None:
         raise RuntimeError(
-            f"custom autograd Function {describe_function(functions[0])} would lose its "
+            f"custom autograd Function {describe_function(lost)} would lose its "
             "backward: torch.export records the ops of its forward, so the pipeline would "
             "differentiate those instead; make the model traceable by torch.fx "
             "(tracer='fx' keeps such Functions whole)"
