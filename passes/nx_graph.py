@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from fxpipe.ir import RECOMPUTE, CostTable
 from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input, stateful_regions
 
-__all__ = ["to_networkx", "readers", "carries_value", "COMPUTE_OPS"]
+__all__ = ["to_networkx", "readers", "carries_value", "replicated_attrs", "COMPUTE_OPS"]
 
 
 def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
@@ -20,14 +22,19 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
     - ``op``: the fx opcode; ``index``: position in the fx graph;
     - ``weight``: the node's cost; ``bytes``: its output bytes;
     - ``is_tensor``: whether the output is one tensor; ``param_bytes``;
+    - ``replicated``: a ``get_attr`` of a non-tensor object (:func:`replicated_attrs`),
+      which every stage reading it names itself: it sends 0 bytes;
 
     and one edge per (producer, consumer) pair with ``bytes`` and ``is_tensor`` of the value
     (``is_tensor`` is False out of a node recomputed beside its reader, as out of a
-    non-tensor value: the units pass keeps both ends together). Edges with ``order=True``
-    carry no value: they keep the readers of a value written in place on the right side of
-    the write (:func:`readers` leaves them out).
+    non-tensor value: the units pass keeps both ends together; out of a replicated
+    attribute it is False too, but the units pass ties only compute nodes together, so
+    the readers of one higher-order op body stay free to sit in different stages). Edges
+    with ``order=True`` carry no value: they keep the readers of a value written in place
+    on the right side of the write (:func:`readers` leaves them out).
     """
     g = nx.DiGraph()
+    shared = replicated_attrs(gm)
     for index, node in enumerate(gm.graph.nodes):
         c = costs.nodes[node.name]
         g.add_node(
@@ -35,19 +42,34 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
             op=node.op,
             index=index,
             weight=c.cost,
-            bytes=c.output_bytes,
+            bytes=0 if node.name in shared else c.output_bytes,
             is_tensor=c.is_tensor,
             param_bytes=c.param_bytes,
             saved_bytes=c.saved_bytes,
+            replicated=node.name in shared,
         )
         for arg in node.all_input_nodes:
             a = costs.nodes[arg.name]
             glued = bool(arg.meta.get(RECOMPUTE))  # recomputed beside its reader: never sent
             tensor = a.is_tensor and not glued
-            g.add_edge(arg.name, node.name, bytes=a.output_bytes, is_tensor=tensor)
+            sent = 0 if arg.name in shared else a.output_bytes
+            g.add_edge(arg.name, node.name, bytes=sent, is_tensor=tensor)
     _order_in_place_ops(gm, g)
     _glue_stateful_regions(gm, g)
     return g
+
+
+def replicated_attrs(gm: fx.GraphModule) -> frozenset[str]:
+    """Names of the ``get_attr`` nodes whose value is not a tensor: a submodule, such as the
+    body GraphModule a higher-order op of ``torch.export`` calls (``wrap_with_autocast``,
+    ``wrap_with_set_grad_enabled``). Such an object is code, not data: every stage that
+    reads one gets its own ``get_attr`` of the same object (shared by reference), so it is
+    never a boundary value and never ties the stages that read it together."""
+    return frozenset(
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and not isinstance(attrgetter(str(n.target))(gm), torch.Tensor)
+    )
 
 
 def readers(g: nx.DiGraph, name: str) -> list[str]:

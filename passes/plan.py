@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
+from fxpipe.passes.nx_graph import replicated_attrs
 from fxpipe.passes.partition import Partition
 
 __all__ = ["build_plan", "stage_memory", "PARAM_COPIES"]
@@ -89,9 +90,14 @@ def _edges(
     gm: fx.GraphModule, costs: CostTable, stage_of: dict[str, int], *, relay: bool
 ) -> list[BoundaryEdge]:
     """Values sent between stages; model outputs go through the last stage only in relay
-    mode (direct: the stage that makes an output returns it)."""
+    mode (direct: the stage that makes an output returns it). A ``get_attr`` of a
+    non-tensor object (a higher-order op's body) is named by each stage that reads it and
+    is never sent (:func:`fxpipe.passes.nx_graph.replicated_attrs`)."""
     out = []
+    shared = replicated_attrs(gm)
     for node in gm.graph.nodes:
+        if node.name in shared:
+            continue
         j = stage_of[node.name]
         users = [u for u in node.users if relay or u.op != "output"]
         readers = sorted({stage_of[u.name] for u in users} - {j})

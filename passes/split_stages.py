@@ -15,6 +15,10 @@ Two ways to move values between stages:
 For example, a model whose stage 0 makes ``h0`` and ``h1`` and whose stage 2 reads
 ``h0`` gets, in direct mode, ``stage1(h1) -> (h2,)`` and ``stage2(h0, h2)``; in relay mode
 ``stage1(h0, h1) -> (h0, h2)``.
+
+A ``get_attr`` of an object that is not a tensor (the body GraphModule of a higher-order
+op such as ``wrap_with_autocast``) moves in neither mode: every stage that reads it gets
+its own ``get_attr`` of the same object, and it is no stage's input or output.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.fx as fx
 
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.passes.nx_graph import replicated_attrs
 from fxpipe.passes.placement import place_graph
 
 __all__ = ["split_stages", "run_stages"]
@@ -39,10 +44,9 @@ def split_stages(plan: PipelinePlan, output_spec: object, *, mode: str = "direct
     output = nodes[-1]
     assert output.op == "output"
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
-    flow = _direct(plan, nodes) if mode == "direct" else _relay(plan, nodes)
-    inputs, outputs = flow
+    inputs, outputs, copies = _flow(plan, nodes, mode)
     modules = tuple(
-        _stage_module(gm, plan, j, inputs[j], outputs[j]) for j in range(plan.num_stages)
+        _stage_module(gm, plan, j, inputs[j], outputs[j], copies) for j in range(plan.num_stages)
     )
     leaves = tuple(ValueRef(a.name) if isinstance(a, fx.Node) else a for a in output.args[0])
     return StageProgram(
@@ -56,8 +60,42 @@ def split_stages(plan: PipelinePlan, output_spec: object, *, mode: str = "direct
     )
 
 
+def _flow(
+    plan: PipelinePlan, nodes: list[fx.Node], mode: str
+) -> tuple[list[list[str]], list[list[str]], dict[str, set[int]]]:
+    """Each stage's inputs and outputs, and the stages that name each non-tensor attribute
+    themselves (:func:`_attr_copies`) rather than receive it."""
+    shared = replicated_attrs(plan.graph_module)
+    moved = [n for n in nodes if n.name not in shared]
+    inputs, outputs = _direct(plan, moved) if mode == "direct" else _relay(plan, moved)
+    attrs = [n for n in nodes if n.name in shared]
+    copies = _attr_copies(plan, attrs, mode)
+    for node in attrs:  # a model that returns the object: the stage named for it returns it
+        if _to_output(node):
+            last = plan.num_stages - 1
+            outputs[last if mode == "relay" else plan.stage_of[node.name]].append(node.name)
+    return inputs, outputs, copies
+
+
+def _attr_copies(plan: PipelinePlan, attrs: list[fx.Node], mode: str) -> dict[str, set[int]]:
+    """Stages that hold their own ``get_attr`` of each non-tensor attribute: every stage
+    that reads it, its own stage, and in relay mode the last stage when the model returns
+    it (direct mode: its own stage returns it)."""
+    copies: dict[str, set[int]] = {}
+    for node in attrs:
+        stages = _readers(plan, node) | {plan.stage_of[node.name]}
+        if mode == "relay" and _to_output(node):
+            stages.add(plan.num_stages - 1)
+        copies[node.name] = stages
+    return copies
+
+
 def _readers(plan: PipelinePlan, node: fx.Node) -> set[int]:
     return {plan.stage_of[u.name] for u in node.users if u.op != "output"}
+
+
+def _to_output(node: fx.Node) -> bool:
+    return any(u.op == "output" for u in node.users)
 
 
 def _direct(plan: PipelinePlan, nodes: list[fx.Node]) -> tuple[list[list[str]], list[list[str]]]:
@@ -74,8 +112,7 @@ def _direct(plan: PipelinePlan, nodes: list[fx.Node]) -> tuple[list[list[str]], 
                 inputs[r].append(node.name)
         if node.op == "placeholder":
             continue
-        read_by_output = any(u.op == "output" for u in node.users)
-        if readers - {j} or read_by_output:
+        if readers - {j} or _to_output(node):
             outputs[j].append(node.name)
     return inputs, outputs
 
@@ -88,7 +125,7 @@ def _relay(plan: PipelinePlan, nodes: list[fx.Node]) -> tuple[list[list[str]], l
         if node.op == "output":
             continue
         readers = _readers(plan, node)
-        if any(u.op == "output" for u in node.users):
+        if _to_output(node):
             readers.add(k - 1)
         if not readers:
             continue
@@ -99,22 +136,31 @@ def _relay(plan: PipelinePlan, nodes: list[fx.Node]) -> tuple[list[list[str]], l
             inputs[j].append(node.name)
         for j in range(first, last):
             outputs[j].append(node.name)
-        if k - 1 in readers and any(u.op == "output" for u in node.users):
+        if _to_output(node):
             outputs[k - 1].append(node.name)
     return inputs, outputs
 
 
 def _stage_module(
-    gm: fx.GraphModule, plan: PipelinePlan, j: int, inputs: list[str], outputs: list[str]
+    gm: fx.GraphModule,
+    plan: PipelinePlan,
+    j: int,
+    inputs: list[str],
+    outputs: list[str],
+    copies: dict[str, set[int]],
 ) -> fx.GraphModule:
+    """Stage ``j``'s GraphModule; the user's modules and tensors, and every non-tensor
+    attribute it names (``copies``), are shared with ``gm`` by reference."""
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for name in inputs:
         env[name] = graph.placeholder(name)
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or plan.stage_of[node.name] != j:
+        if node.op in ("placeholder", "output"):
             continue
-        env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+        mine = j in copies[node.name] if node.name in copies else plan.stage_of[node.name] == j
+        if mine:
+            env[node.name] = graph.node_copy(node, lambda n: env[n.name])
     graph.output(tuple(env[name] for name in outputs))
     place_graph(graph, plan.devices[j])
     graph.lint()

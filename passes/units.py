@@ -5,6 +5,9 @@ int, a dict) flows between them: such values never cross a stage border. Merging
 the unit graph acyclic by collapsing any cycle it would create (a convex hull). Zero-cost
 nodes that only name values are not units: placeholders are pinned to the first stage,
 ``get_attr`` nodes join the first stage that reads them, and the output node the last.
+A ``get_attr`` of a submodule (the body of a higher-order op, which several copies of the
+op may call) is not a value that crosses a border either: every stage that reads it names
+it itself, so it ties none of its readers together.
 """
 
 from __future__ import annotations

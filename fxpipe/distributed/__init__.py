@@ -1,11 +1,12 @@
 """Runs an fxpipe plan on ``torch.distributed.pipelining``, one process per stage (or stages).
 
 Every rank calls :func:`pipeline_schedule` with the same model and example. Each rank traces
-and plans the model the same way (deterministic costs), checks with one collective that all
-ranks agree, builds torch ``PipelineStage`` objects for its own stages from the relay-mode
-stage program (a skip connection passes through every stage in between, since torch only
-connects neighbouring stages), and releases every other stage's parameters and buffers to
-the ``meta`` device. The schedule is then used the torch way::
+and plans the model the same way (from deterministic costs, or with ``cost="time"`` from the
+costs group rank 0 measured and broadcast), checks with one collective that all ranks agree,
+builds torch ``PipelineStage`` objects for its own stages from the relay-mode stage program
+(a skip connection passes through every stage in between, since torch only connects
+neighbouring stages), and releases every other stage's parameters and buffers to the
+``meta`` device. The schedule is then used the torch way::
 
     pipe = pipeline_schedule(model, x, schedule="1f1b", n_microbatches=8, loss_fn=loss_fn)
     losses = []

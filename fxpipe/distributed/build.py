@@ -1,5 +1,6 @@
-"""``pipeline_schedule``: checks the options, plans the model, fixes the activation shapes and
-checks that every rank planned alike, then hands over to :class:`DistributedPipeline`.
+"""``pipeline_schedule``: checks the options, plans the model (from costs one rank measured,
+with ``cost="time"``), fixes the activation shapes and checks that every rank planned alike,
+then hands over to :class:`DistributedPipeline`.
 
 Activation shapes are fixed from the example, as torch's static stage metadata: the example
 is one step's full batch, split into ``n_microbatches`` equal micro-batches, and the stage
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ SCHEDULES = (
 )
 _V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})  # rank r holds stages r and 2W - 1 - r
 _INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
-_COSTS = ("flops", "params", "auto")
+_COSTS = ("flops", "time", "params", "auto")
 _Spec = tuple[tuple[int, ...], torch.dtype, bool]
 
 
@@ -78,8 +80,14 @@ def pipeline_schedule(
     device is planned as it is; its rank's stages are then materialised (uninitialised)
     for :meth:`DistributedPipeline.load_stage_state_dict`.
 
-    Every option is checked on every rank before any communication; the one collective
-    here then checks that all ranks made the same plan.
+    ``cost`` prices the nodes for the split: ``"flops"`` (the default, analytic),
+    ``"params"``, a callable ``(node) -> float`` that answers alike on every rank, or
+    ``"time"``: group rank 0 profiles every node (forward and backward) on its device and
+    broadcasts the measured costs, and every rank plans with them (``"auto"`` is
+    ``"flops"``).
+
+    Every option is checked on every rank before any communication; a collective then
+    checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
     kind = _check_options(schedule, n_microbatches, stages_per_rank, cost, scale_grads)
     world = dist.get_world_size(group)
@@ -88,9 +96,17 @@ def pipeline_schedule(
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})
     if _model_device(model).type == "meta":
+        _check_not_timed(cost)
         args, kwargs = _to_meta((args, kwargs))
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, n_microbatches)
-    compiled = _compile(model, args, kwargs, [target] * total, cost, tracer, n_microbatches, slack)
+    devices = [target] * total
+    if cost == "time":
+        cost = _measured_costs(
+            lambda: _compile(model, args, kwargs, devices, "time", tracer, n_microbatches, slack),
+            group,
+            target,
+        )
+    compiled = _compile(model, args, kwargs, devices, cost, tracer, n_microbatches, slack)
     plan, program = compiled.plan, compiled.program
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
     metas = _stage_metas(model, program, values)
@@ -154,7 +170,61 @@ def _compile(
             f"the plan has {compiled.plan.num_stages} stages but {len(devices)} were asked "
             "for; use fewer processes or a smaller stages_per_rank"
         )
+    if isinstance(cost, _MeasuredCost):  # measured seconds, not a user's cost function
+        costs = replace(compiled.plan.costs, mode="time", unit="s")
+        compiled = replace(compiled, plan=replace(compiled.plan, costs=costs))
     return compiled
+
+
+def _measured_costs(
+    profile: Callable[[], Compiled], group: dist.ProcessGroup | None, device: torch.device
+) -> _MeasuredCost:
+    """``cost="time"`` across processes: group rank 0 profiles every node once (``profile``)
+    and broadcasts the table; every rank, rank 0 too, then plans with that one table as a
+    callable cost, so the plans agree by construction. When rank 0 fails, every rank
+    raises (rank 0 its own error), instead of the others waiting for it."""
+    box: list[Any] = [None]
+    failure: Exception | None = None
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = dict(profile().plan.node_cost)
+        except Exception as e:
+            failure, box[0] = e, f"{type(e).__name__}: {e}"
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group, device=_comm_device(group, device))
+    if failure is not None:
+        raise failure
+    if not isinstance(box[0], dict):
+        raise FxPipeError(
+            f"group rank 0 could not profile the model for cost='time': {box[0]}; fix the "
+            "error rank 0 reports, or pass cost='flops'"
+        )
+    return _MeasuredCost(box[0])
+
+
+class _MeasuredCost:
+    """``(node) -> float``: the cost group rank 0 measured for the node of that name. A name
+    rank 0 did not price costs 0: that rank traced another graph, which the agreement
+    check then reports on every rank."""
+
+    def __init__(self, table: dict[str, float]) -> None:
+        self.table = table
+
+    def __call__(self, node: fx.Node) -> float:
+        return float(self.table.get(node.name, 0.0))
+
+
+def _check_not_timed(cost: Any) -> None:
+    if cost == "time":
+        raise ConfigError(
+            "cost='time' profiles the model by running it, but its parameters are on the "
+            "'meta' device, which holds no data; pass cost='flops' (analytic, runs nothing)"
+        )
+
+
+def _comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where collectives of ``group`` put their tensors: the stage device under NCCL."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def _check_options(
@@ -190,8 +260,7 @@ def _check_options(
         )
     if not callable(cost) and cost not in _COSTS:
         raise ConfigError(
-            f"cost={cost!r} cannot be used across processes: every rank must plan alike and "
-            f"'time' profiles each rank differently; pick one of {_COSTS} or a callable"
+            f"cost={cost!r} is not one of {_COSTS} or a callable (node) -> float; pick one of them"
         )
     if not isinstance(scale_grads, bool):
         raise ConfigError(f"scale_grads={scale_grads!r} must be True or False")
@@ -308,7 +377,7 @@ def _check_agreement(
     """All-gather digests of the plan and of the options; FxPipeError on every rank when a
     rank differs from rank 0."""
     split = repr((sorted(plan.stage_of.items()), program.inputs, program.outputs))
-    comm = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    comm = _comm_device(group, device)
     mine = torch.tensor([_digest(split), _digest(repr(config))], dtype=torch.int64, device=comm)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
@@ -318,8 +387,8 @@ def _check_agreement(
             raise FxPipeError(
                 f"rank(s) {odd} computed a different {what} than rank 0; call "
                 "pipeline_schedule on every rank with the same model (same construction and "
-                "seed), the same example and the same options, with a deterministic cost "
-                "('flops' or 'params')"
+                "seed), the same example and the same options, with a cost that is the same "
+                "on every rank ('flops', 'params', 'time' or a deterministic callable)"
             )
 
 

@@ -15,7 +15,9 @@ from torch import nn
 
 from fxpipe.ir import CostTable
 from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.nx_graph import readers, to_networkx
+from fxpipe.passes.nx_graph import readers, replicated_attrs, to_networkx
+from fxpipe.passes.partition import partition_graph
+from fxpipe.passes.units import build_units
 from fxpipe.tracing import trace
 
 ALL = list(ZOO.values())
@@ -214,3 +216,36 @@ def test_readers_leave_out_ordering_edges() -> None:
     users = {n.name: {u.name for u in n.users} for n in gm.graph.nodes}
     for name in g.nodes:
         assert set(readers(g, name)) == users[name], name
+
+
+class TableInEveryLayer(nn.Module):
+    """A table made with autocast off and read by every layer: torch.export records the
+    region as a higher-order op whose body is a submodule; the tracer recomputes the table
+    beside each layer, so four copies of the op read one ``get_attr`` of that body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            table = torch.arange(x.shape[1], dtype=x.dtype, device=x.device).cos()
+        for layer in self.layers:
+            x = layer(x) * table
+        return x
+
+
+def test_a_shared_higher_order_op_body_is_replicated_and_ties_no_layers_together() -> None:
+    t = trace(TableInEveryLayer(), (torch.randn(4, 8),), tracer="export")
+    gm = t.graph_module
+    g = to_networkx(gm, estimate_costs(gm, t.example_values, mode="flops"))
+    (body,) = [n for n, shared in g.nodes(data="replicated") if shared]
+    assert g.nodes[body]["op"] == "get_attr" and g.nodes[body]["bytes"] == 0
+    assert replicated_attrs(gm) == {body}
+    calls = list(g.successors(body))
+    assert len(calls) == 4  # one copy of the op per layer
+    assert all(g.edges[body, v]["bytes"] == 0 for v in calls)
+    units = build_units(g)
+    assert len({units.unit_of[v] for v in calls}) == 4  # each with its own layer
+    stage_of = partition_graph(g, 4).stage_of
+    assert sorted(stage_of[v] for v in calls) == [0, 1, 2, 3]

@@ -219,6 +219,50 @@ def test_unknown_mode_is_rejected() -> None:
         split_stages(planned("mlp_residual", 2), t.output_spec, mode="bogus")
 
 
+class TableInEveryLayer(nn.Module):
+    """A table made with autocast off (as transformers 4.x makes its rotary tables) and read
+    by every layer: torch.export records the region as a higher-order op whose body is a
+    submodule, and the tracer recomputes the table beside each reader, so every copy of the
+    op names that one body with a ``get_attr``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            table = torch.arange(x.shape[1], dtype=x.dtype, device=x.device).cos()
+        for layer in self.layers:
+            x = layer(x) * table
+        return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_submodule_read_in_two_stages_is_named_in_each_not_sent(mode: str) -> None:
+    model = TableInEveryLayer().eval()
+    x = torch.randn(4, 8)
+    t = trace(model, (x,), tracer="export")
+    gm = t.graph_module
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    (body,) = [n for n in attrs if isinstance(fetch(gm, str(n.target)), nn.Module)]
+    costs = estimate_costs(gm, t.example_values, mode="flops")
+    g = to_networkx(gm, costs)
+    part = partition_graph(g, 2, traffic=mode)
+    plan = build_plan(gm, costs, g, part, [CPU] * 2, chunks=2)
+    assert {plan.stage_of[u.name] for u in body.users} == {0, 1}  # read in both stages
+    assert body.name not in {e.value for e in plan.edges}
+    assert all(body.name not in s.inputs + s.outputs for s in plan.stages)
+    prog = split_stages(plan, t.output_spec, mode=mode)
+    for j, stage in enumerate(prog.modules):
+        assert body.name not in prog.inputs[j] + prog.outputs[j]
+        own = [n for n in stage.graph.nodes if n.op == "get_attr" and n.target == body.target]
+        assert len(own) == 1, f"stage {j} does not name the body itself"
+        assert fetch(stage, str(body.target)) is fetch(gm, str(body.target))  # not copied
+    (got,) = run_stages(prog, t.example_values)
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, model(x), rtol=1e-6, atol=1e-6)
+
+
 class AliasBeforeMutation(nn.Module):
     """``v`` is a view of ``a`` read by ``l2`` before ``a.relu_()`` changes ``a`` in place."""
 

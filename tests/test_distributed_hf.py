@@ -1,0 +1,236 @@
+"""fxpipe.distributed on Hugging Face decoders (Llama, Mistral, a Mixture of Experts) against
+eager PyTorch: two processes on the CPU, gloo on loopback, cost="flops" and cost="time".
+
+The models are tiny configs built in float64 (no download). Two ranks start once per cost
+(the launcher of ``test_distributed.py``: spawn, a hard time limit, results read back) and
+pipeline every model in turn, each for one 1F1B step with a sum-reduced LM loss; each test
+compares one model's loss and every parameter gradient with the eager model's on the whole
+batch. One Llama makes its rotary tables with autocast off, as transformers 4.x writes it:
+torch.export records that region as a higher-order op whose body module each stage reads.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+if str(TESTS.parent) not in sys.path:  # the ranks import this module by its package path
+    sys.path.append(str(TESTS.parent))
+
+from models import ResidualMLP  # noqa: E402
+from test_distributed import _launch, _results  # noqa: E402
+
+import fxpipe.distributed as fd  # noqa: E402
+from fxpipe.errors import ConfigError, FxPipeError  # noqa: E402
+
+# In the ``test`` extra; .ci/run fails when it does not import, so this never skips there.
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+BATCH, LENGTH, N_MB = 4, 8, 2
+COMMON: dict[str, Any] = dict(
+    num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
+    bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)  # fmt: skip
+
+
+def llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+
+
+def mistral() -> nn.Module:
+    config = transformers.MistralConfig(**COMMON, sliding_window=4)
+    return transformers.MistralForCausalLM(config)
+
+
+def mixtral() -> nn.Module:
+    """Mixtral's sparse MoE; experts run as batched matmuls ("batched_mm"), which export
+    traces (the default grouped-matmul kernel is a custom op the tracer refuses)."""
+    config = transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm"
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def llama_autocast_rope() -> nn.Module:
+    """Llama whose rotary tables are made with autocast off (transformers 4.x does so)."""
+    model = llama()
+    rotary = model.model.rotary_emb
+    tables = rotary.forward
+
+    def autocast_off(x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return tables(x, position_ids)
+
+    rotary.forward = autocast_off
+    return model
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "llama": llama,
+    "llama_autocast_rope": llama_autocast_rope,
+    "mistral": mistral,
+    "mixtral": mixtral,
+}
+
+
+def _build(name: str) -> nn.Module:
+    """The same float64 weights on every call (and on every rank)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MODELS[name]().double()
+
+
+def _batch() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Token ids, an attention mask with one padded sequence, next-token targets."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH), generator=gen)
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[1, 6:] = 0
+    target = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=gen)
+    return ids, {"attention_mask": mask}, target
+
+
+def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out["logits"]
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+
+def _eager(name: str) -> tuple[float, dict[str, torch.Tensor]]:
+    model = _build(name)
+    ids, kwargs, target = _batch()
+    loss = _loss(model(ids, **kwargs), target)
+    loss.backward()
+    return loss.item(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _bodies(gm: fx.GraphModule) -> list[str]:
+    """Targets of the get_attr nodes of ``gm`` that name a module (a higher-order op body)."""
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and isinstance(attrgetter(str(n.target))(gm), nn.Module)
+    ]
+
+
+def _pipelined(name: str, cost: str) -> dict[str, Any]:
+    """One pipelined 1F1B step of model ``name``: this rank's loss (last stage), gradients
+    and what it planned."""
+    ids, kwargs, target = _batch()
+    pipe = fd.pipeline_schedule(
+        _build(name),
+        ids,
+        example_kwargs=kwargs,
+        schedule="1f1b",
+        n_microbatches=N_MB,
+        loss_fn=_loss,
+        cost=cost,
+    )
+    losses: list[Any] = []
+    if pipe.is_first:
+        pipe.schedule.step(ids, **kwargs)
+    else:
+        pipe.schedule.step(target=target, losses=losses)
+    pipe.sync_tied_gradients()
+    return {
+        "stages": pipe.stage_indices,
+        "loss": float(sum(losses).detach()) if losses else None,
+        "grads": {k: p.grad.clone() for k, p in pipe.named_parameters() if p.grad is not None},
+        "unit": pipe.plan.costs.unit,
+        "cost": dict(pipe.plan.node_cost),
+        "stage_of": dict(pipe.plan.stage_of),
+        "sent": [e.value for e in pipe.plan.edges],
+        "bodies": [b for m in pipe.stage_modules for b in _bodies(m)],
+        "all_bodies": _bodies(pipe.plan.graph_module),
+    }
+
+
+def _train(rank: int, world: int, *, cost: str) -> dict[str, Any]:
+    """Every model in turn, on the same two ranks (one start-up for them all)."""
+    return {name: _pipelined(name, cost) for name in MODELS}
+
+
+@pytest.fixture(scope="module", params=["flops", "time"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``(cost, per-rank results by model)``: two ranks started once per cost."""
+    cost = request.param
+    tmp = tmp_path_factory.mktemp(f"hf_{cost}")
+    return cost, _results(_launch(_train, 2, tmp, cost=cost))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_decoder_on_two_ranks_matches_eager(ranks: Any, name: str) -> None:
+    cost, by_rank = ranks
+    results = [r[name] for r in by_rank]
+    assert [r["stages"] for r in results] == [(0,), (1,)]
+    # Both ranks planned with one cost table (under "time": measured once, on rank 0).
+    assert all(r["unit"] == {"flops": "flop", "time": "s"}[cost] for r in results)
+    assert results[0]["cost"] == results[1]["cost"]
+    assert results[0]["stage_of"] == results[1]["stage_of"]
+    assert len(set(results[0]["stage_of"].values())) == 2
+    for r in results:  # a higher-order op's body is named in each stage, never sent
+        assert not set(r["sent"]) & set(r["all_bodies"]), r["sent"]
+    if name == "llama_autocast_rope":
+        assert all(r["bodies"] for r in results), "the rotary region is no higher-order op"
+        assert set(results[0]["bodies"]) & set(results[1]["bodies"]), "no body in both stages"
+    loss, expected = _eager(name)
+    (rank_loss,) = [r["loss"] for r in results if r["loss"] is not None]
+    assert rank_loss == pytest.approx(loss, rel=1e-10)
+    got: dict[str, torch.Tensor] = {}
+    for r in results:
+        for key, grad in r["grads"].items():
+            assert key not in got, f"{key} has a gradient on both ranks"
+            scale = float(expected[key].abs().max())
+            torch.testing.assert_close(
+                grad, expected[key], rtol=1e-9, atol=1e-12 * max(scale, 1.0), msg=key
+            )
+            got[key] = grad
+    assert set(got) == set(expected)
+
+
+class _Broken(nn.Module):
+    """A model that cannot run, so that no tracer captures it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this model cannot run")
+
+
+def _profile_fails(rank: int, world: int) -> dict[str, Any]:
+    """cost="time" on a model on ``meta`` (refused on each rank alone), then on a model that
+    rank 0 cannot profile while rank 1's could be (every rank must stop, none wait)."""
+    x = torch.randn(BATCH, 32)
+    out: dict[str, Any] = {}
+    with torch.device("meta"):
+        meta = ResidualMLP()
+    try:
+        fd.pipeline_schedule(meta, x, n_microbatches=N_MB, loss_fn=None, cost="time")
+    except ConfigError as e:
+        out["meta"] = str(e)
+    model = _Broken() if rank == 0 else ResidualMLP()
+    try:
+        fd.pipeline_schedule(model, x, n_microbatches=N_MB, loss_fn=None, cost="time")
+    except FxPipeError as e:
+        out["error"] = (type(e).__name__, str(e))
+    return out
+
+
+def test_time_cost_failures_reach_every_rank(tmp_path: Path) -> None:
+    first, second = _results(_launch(_profile_fails, 2, tmp_path, pg_timeout=20))
+    for r in (first, second):
+        assert "'meta'" in r["meta"] and "cost='flops'" in r["meta"]
+    assert first["error"][0] == "TraceError" and "cannot run" in first["error"][1]
+    kind, text = second["error"]
+    assert kind == "FxPipeError" and "rank 0 could not profile" in text
+    assert "cannot run" in text and "cost='flops'" in text
