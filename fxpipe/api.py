@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +11,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
 from fxpipe.binding import argument_name
@@ -26,7 +24,7 @@ from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
-from fxpipe.tracing import Traced, _preserved, trace
+from fxpipe.tracing import Traced, _preserved, fake_runnable, trace
 
 __all__ = ["plan", "pipeline", "compile_model", "Compiled"]
 
@@ -164,10 +162,10 @@ def compile_model(
     args = _example_args(example_input)
     batch = _example_batch(inspect.signature(model.forward), args, example_kwargs or {})
     traced = trace(model, args, example_kwargs, tracer=tracer)
-    with _preserved(model), _fake_runnable(model):  # fake runs may write into real buffers
+    with _preserved(model), fake_runnable(model):  # fake runs may write into real buffers
         _check_outputs_follow_batch(traced, batch)
     mode_name = _cost_mode(cost, traced.graph_module, targets, model)
-    with _fake_runnable(model):
+    with fake_runnable(model):
         costs = estimate_costs(
             traced.graph_module,
             traced.example_values,
@@ -190,22 +188,6 @@ def compile_model(
     )
     program = split_stages(the_plan, traced.output_spec, mode=mode)
     return Compiled(traced, the_plan, program)
-
-
-@contextmanager
-def _fake_runnable(model: nn.Module) -> Iterator[None]:
-    """Let fake-tensor runs through BatchNorms with ``momentum=None`` (a cumulative average):
-    they read their batch count into Python to update the running statistics, which fake
-    tensors cannot; a fixed momentum while pricing gives the same outputs and shapes (the
-    buffers are restored afterwards by the callers)."""
-    cumulative = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.momentum is None]
-    for m in cumulative:
-        m.momentum = 0.0
-    try:
-        yield
-    finally:
-        for m in cumulative:
-            m.momentum = None
 
 
 def _check_meta_stages(model: nn.Module, devices: Sequence[torch.device]) -> None:

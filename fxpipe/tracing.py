@@ -19,7 +19,7 @@ import io
 import operator
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -27,8 +27,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
+from fxpipe.aliasing import mark_aliasing
 from fxpipe.autograd_functions import (
     FunctionCall,
     backward_is_derivative,
@@ -95,6 +97,8 @@ def trace(
         except Exception as e:  # any tracer failure: try the next one, report all
             failures.append((name, e))
             continue
+        with _preserved(model), fake_runnable(model):
+            mark_aliasing(traced.graph_module, traced.example_values)
         _clone_mutated_inputs(traced.graph_module)
         _recompute_shared_inputs(traced.graph_module, traced.example_values)
         return traced
@@ -230,6 +234,22 @@ def _trace_export(
     return Traced(gm, binder, out_spec, "export", values)
 
 
+@contextlib.contextmanager
+def fake_runnable(model: nn.Module) -> Iterator[None]:
+    """Let fake-tensor runs through BatchNorms with ``momentum=None`` (a cumulative average):
+    they read their batch count into Python to update the running statistics, which fake
+    tensors cannot; a fixed momentum while pricing gives the same outputs and shapes (the
+    buffers are restored afterwards by the callers)."""
+    cumulative = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.momentum is None]
+    for m in cumulative:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m in cumulative:
+            m.momentum = None
+
+
 def _reattach_grad_constants(gm: fx.GraphModule, constants: Mapping[str, Any]) -> None:
     """Point the graph at the model's own tensors where export lifted a tensor that requires
     grad but is not a Parameter (a plain attribute, a closed-over tensor): export keeps a
@@ -291,12 +311,11 @@ def _clone_leaves(value: Any) -> Any:
 
 def _written_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     """The placeholder ``node`` writes into in place, directly or through views."""
-    from fxpipe.passes.ops import is_view, mutated_input
+    from fxpipe.passes.ops import is_view, mutated_input, viewed_input
 
     value: fx.Node | None = mutated_input(gm, node)
     while value is not None and value.op != "placeholder":
-        parent = value.args[0] if value.args else None
-        value = parent if is_view(value) and isinstance(parent, fx.Node) else None
+        value = viewed_input(value) if is_view(value) else None
     return value
 
 
@@ -423,9 +442,10 @@ def _flatten_output(gm: fx.GraphModule, returned: Any = None) -> TreeSpec:
 
 
 class _preserved:
-    """Restore the model's training flags, buffers and RNG state after tracing, and drop the
-    attributes tracing added to it (fx keeps a tensor the forward closes over as a new
-    attribute ``_tensor_constant0`` of the model; the graph module holds its own reference)."""
+    """Restore the model's training flags, buffers (the same objects, with the same values)
+    and RNG state after tracing, and drop the attributes tracing added to it (fx keeps a
+    tensor the forward closes over as a new attribute ``_tensor_constant0`` of the model;
+    the graph module holds its own reference)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -433,6 +453,9 @@ class _preserved:
     def __enter__(self) -> _preserved:
         self.attributes = set(vars(self.model))
         self.modes = [(m, m.training) for m in self.model.modules()]
+        #: Each module's buffer objects: a forward that assigns a new tensor to a buffer
+        #: (a cache rebuilt for another size) must not leave the traced one in the model.
+        self.held = [(m, dict(m._buffers)) for m in self.model.modules()]
         self.buffers = [
             (name, b, b.detach().clone(), b._version)
             for name, b in self.model.named_buffers()
@@ -446,6 +469,8 @@ class _preserved:
     def __exit__(self, *exc: object) -> None:
         for m, mode in self.modes:
             m.training = mode
+        for m, held in self.held:
+            m._buffers.update(held)
         with torch.no_grad():
             for name, b, saved, version in self.buffers:
                 if b._version != version:

@@ -11,7 +11,13 @@ import torch
 import torch.fx as fx
 
 from fxpipe.ir import RECOMPUTE, CostTable
-from fxpipe.passes.ops import COMPUTE_OPS, is_view, mutated_input, stateful_regions
+from fxpipe.passes.ops import (
+    COMPUTE_OPS,
+    is_view,
+    mutated_input,
+    stateful_regions,
+    viewed_input,
+)
 
 __all__ = ["to_networkx", "readers", "carries_value", "replicated_attrs", "COMPUTE_OPS"]
 
@@ -130,8 +136,9 @@ def _alias_groups(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:
         return n  # type: ignore[no-any-return]
 
     for node in gm.graph.nodes:
-        if is_view(node) and node.args and isinstance(node.args[0], fx.Node):
-            parent[find(node)] = find(node.args[0])
+        base = viewed_input(node) if is_view(node) else None
+        if base is not None:
+            parent[find(node)] = find(base)
     groups: dict[fx.Node, set[fx.Node]] = {}
     for node in gm.graph.nodes:
         groups.setdefault(find(node), set()).add(node)

@@ -13,10 +13,19 @@ __all__ = [
     "OPERATOR_IN_PLACE",
     "op_name",
     "is_view",
+    "viewed_input",
+    "ALIASES",
+    "WRITES",
     "mutated_input",
     "state_change",
     "stateful_regions",
 ]
+
+#: ``node.meta`` keys set by a run on fake tensors (``fxpipe.aliasing``): the position in
+#: ``node.all_input_nodes`` of an input the node's output shares memory with, and of an
+#: input the node writes into.
+ALIASES = "fxpipe_aliases"
+WRITES = "fxpipe_writes"
 
 #: fx opcodes that do work; placeholders, get_attr and output only name values.
 COMPUTE_OPS = frozenset({"call_function", "call_method", "call_module"})
@@ -101,8 +110,20 @@ def op_name(n: fx.Node) -> str:
 
 
 def is_view(n: fx.Node) -> bool:
-    """Whether ``n``'s output may alias its first input (so writes to one reach the other)."""
+    """Whether ``n``'s output may alias an input (so writes to one reach the other): by its
+    op's name, or as a run on fake tensors saw it (a module that returns its input)."""
+    if ALIASES in n.meta:
+        return True
     return n.op in ("call_function", "call_method") and op_name(n) in VIEW_OPS
+
+
+def viewed_input(n: fx.Node) -> fx.Node | None:
+    """The input a view ``n`` may share memory with (its first argument, unless a run on
+    fake tensors saw another)."""
+    if ALIASES in n.meta:
+        return n.all_input_nodes[int(n.meta[ALIASES])]
+    first = n.args[0] if n.args else None
+    return first if isinstance(first, fx.Node) else None
 
 
 def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
@@ -110,6 +131,8 @@ def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     mutable aten overloads, ``x[i] = v``, and any call whose result nothing reads: a call
     kept only for its effect, such as a leaf function that adds into its argument, is taken
     to write into its first argument)."""
+    if WRITES in node.meta:
+        return node.all_input_nodes[int(node.meta[WRITES])]
     first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
     if first is None or node.op not in COMPUTE_OPS:
         return None
