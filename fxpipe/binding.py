@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path
+from torch.utils._pytree import SequenceKey, TreeSpec, tree_flatten, tree_flatten_with_path
 
 from fxpipe.errors import InputError
 
-__all__ = ["InputBinder", "bind_arguments", "describe_path", "argument_name"]
+__all__ = ["InputBinder", "bind_arguments", "describe_path", "argument_name", "describe_value"]
 
 
 def bind_arguments(
@@ -134,12 +134,7 @@ class InputBinder:
         bound = bind_arguments(self.signature, args, kwargs)
         flat, spec = tree_flatten((bound.args, bound.kwargs))
         if spec != self.in_spec:
-            raise InputError(
-                f"the call's argument structure differs from the traced example "
-                f"(traced {self._structure(self.in_spec)}, got {self._structure(spec)}); "
-                "call the pipeline with the same structure as the example_input, or rebuild "
-                "it with an example of the new structure"
-            )
+            raise InputError(self._structure_mismatch(bound))
         for leaf, value in zip(self.leaves, flat):
             self._check_leaf(leaf, value)
         self._check_batch(flat)
@@ -196,10 +191,79 @@ class InputBinder:
                 "of the new shape"
             )
 
-    @staticmethod
-    def _structure(spec: TreeSpec) -> str:
-        text = str(spec).replace("\n", " ")
-        return " ".join(text.split())
+    def _structure_mismatch(self, bound: inspect.BoundArguments) -> str:
+        """The first argument whose structure differs from the example's, in words."""
+        traced = self._traced_arguments()
+        given: list[tuple[int | str, Any]] = [*enumerate(bound.args), *bound.kwargs.items()]
+        for key, value in given:
+            if key not in traced:
+                return (
+                    f"argument {self._name(key)} is {describe_value(value)} but the example "
+                    "passed nothing there; call the pipeline with the arguments of the "
+                    "example, or rebuild it with an example that passes this one"
+                )
+            spec, leaves = traced[key]
+            if tree_flatten(value)[1] != spec:
+                return (
+                    f"argument {self._name(key)} is {describe_value(value)} but the pipeline was "
+                    f"traced with {_describe_spec(spec, leaves)} there; pass "
+                    f"{_describe_spec(spec, leaves)} as the example did, or rebuild the "
+                    "pipeline with an example of this structure"
+                )
+        missing = next(self._name(k) for k in traced if k not in dict(given))
+        return (
+            f"argument {missing} is missing but the example passed it; call the pipeline "
+            "with the arguments of the example"
+        )
+
+    def _traced_arguments(self) -> dict[int | str, tuple[TreeSpec, list[_Leaf]]]:
+        """Per positional index or keyword: the example's spec and leaves there."""
+        args_spec, kwargs_spec = self.in_spec.children()
+        keys: list[int | str] = [*range(args_spec.num_children), *kwargs_spec.context]
+        specs = [*args_spec.children(), *kwargs_spec.children()]
+        out, start = {}, 0
+        for key, spec in zip(keys, specs, strict=True):
+            out[key] = (spec, list(self.leaves[start : start + spec.num_leaves]))
+            start += spec.num_leaves
+        return out
+
+    def _name(self, key: int | str) -> str:
+        if isinstance(key, str):
+            return key
+        return argument_name(self.signature, (SequenceKey(0), SequenceKey(key)))
+
+
+def describe_value(value: Any) -> str:
+    """What a call passed, in words: a tensor of shape (8, 4), a list of 2 items, ..."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        items = ", ".join([*map(describe_value, value[:3]), *(["..."] if len(value) > 3 else [])])
+        return f"a {type(value).__name__} of {_items(len(value))} ({items})"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))}"
+    return _short(value)
+
+
+def _describe_spec(spec: TreeSpec, leaves: Sequence[_Leaf]) -> str:
+    """What the example passed where ``spec`` (holding ``leaves``) was traced, in words."""
+    if spec.is_leaf():
+        leaf = leaves[0]
+        if leaf.is_tensor:
+            inner = "".join(f", {n}" for n in leaf.inner_shape)
+            return f"a tensor of shape (batch{inner})" if leaf.ndim else "a 0-dim tensor"
+        return _short(leaf.value)
+    if spec.type in (list, tuple):
+        return f"a {spec.type.__name__} of {_items(spec.num_children)}"
+    if spec.type is dict:
+        return f"a dict with keys {sorted(map(str, spec.context))}"
+    if spec.type is type(None):
+        return "None"
+    return f"a {getattr(spec.type, '__name__', spec.type)}"
+
+
+def _items(n: int) -> str:
+    return f"{n} item" if n == 1 else f"{n} items"
 
 
 def _same_constant(a: Any, b: Any) -> bool:

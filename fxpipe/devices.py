@@ -29,6 +29,11 @@ def parse_device(value: Any, *, require_present: bool = True) -> torch.device:
             f"device {value!r} is not a device ({e}); use a string such as 'cpu' or "
             "'cuda:0', a CUDA index, or a torch.device"
         ) from e
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise DeviceError(
+            f"device {value!r} names CPU {device.index}, but the CPU is one device (index 0); "
+            "write 'cpu', and repeat it for several stages on the CPU: ['cpu', 'cpu']"
+        )
     if device.type == "cuda" and require_present:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = device.index if device.index is not None else 0
@@ -45,18 +50,36 @@ def parse_device(value: Any, *, require_present: bool = True) -> torch.device:
 
 def normalize_devices(devices: Any, *, require_present: bool = True) -> tuple[torch.device, ...]:
     """One ``torch.device`` per stage; raises DeviceError for an empty or malformed list."""
-    if isinstance(devices, (str, int, torch.device)):
+    _refuse_one_value(devices)
+    try:
+        items = list(devices)
+    except TypeError as e:
+        raise DeviceError(
+            f"devices={devices!r} is not a list of devices; pass one device per stage, "
+            "e.g. ['cpu', 'cpu'] or ['cuda:0', 'cuda:1']"
+        ) from e
+    if not items:
+        raise DeviceError("devices=[] is empty; pass one device per stage, e.g. ['cpu', 'cpu']")
+    return tuple(parse_device(d, require_present=require_present) for d in items)
+
+
+def _refuse_one_value(devices: Any) -> None:
+    """A DeviceError for a single string, index or device where a list of them belongs."""
+    if isinstance(devices, str) and "," in devices:
+        items = [d.strip() for d in devices.split(",") if d.strip()]
+        raise DeviceError(
+            f"devices={devices!r} is one string; pass a list with one device per stage: {items!r}"
+        )
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        raise DeviceError(
+            f"devices={devices!r} is one CUDA index, not a count; pass one device per stage: "
+            f"{list(range(devices))!r} for the first {devices} GPUs, or ['cpu'] * {devices}"
+        )
+    if isinstance(devices, (str, int, torch.device)) and not isinstance(devices, bool):
         raise DeviceError(
             f"devices={devices!r} is one device; pass a list with one device per stage, "
             f"e.g. [{devices!r}, {devices!r}]"
         )
-    try:
-        items = list(devices)
-    except TypeError as e:
-        raise DeviceError(f"devices={devices!r} is not a list of devices") from e
-    if not items:
-        raise DeviceError("devices=[] is empty; pass one device per stage, e.g. ['cpu', 'cpu']")
-    return tuple(parse_device(d, require_present=require_present) for d in items)
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

@@ -1,4 +1,4 @@
-"""Every error fxpipe raises on purpose; each names the offending value and the remedy."""
+"""Every error and warning fxpipe raises on purpose; each names the value and the remedy."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ __all__ = [
     "DeviceError",
     "MemoryPlanError",
     "StageError",
+    "StageRunError",
+    "FxPipeWarning",
+    "BatchStatisticsWarning",
 ]
 
 
@@ -44,3 +47,20 @@ class InputError(FxPipeError, ValueError):
 
 class StageError(FxPipeError, RuntimeError):
     """A stage failed in a way that is not the user's own exception (internal)."""
+
+
+class StageRunError(StageError):
+    """A stage raised a torch error while it ran one micro-batch of a call.
+
+    The message says which stage, which micro-batch and which rows of the caller's batch;
+    the stage's own exception is the ``__cause__``.
+    """
+
+
+class FxPipeWarning(UserWarning):
+    """Base class of every warning fxpipe gives."""
+
+
+class BatchStatisticsWarning(FxPipeWarning):
+    """Layers that use per-batch statistics (BatchNorm in training) see micro-batches, so
+    their outputs and running statistics differ from the unpipelined model's."""

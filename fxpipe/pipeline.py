@@ -8,15 +8,17 @@ the model's keys. The stage GraphModules reference the same objects.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe.batch_checks import BatchStatistics, check_micro_batches
 from fxpipe.devices import same_device
 from fxpipe.errors import ConfigError, DeviceError, InputError
-from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.ir import CheckpointMode, PipelinePlan, StageProgram, ValueRef
+from fxpipe.report import stage_span
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.executor import Executor
 from fxpipe.runtime.microbatch import gather, scatter
@@ -24,14 +26,17 @@ from fxpipe.tracing import Traced
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES"]
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
+CHECKPOINT_MODES: tuple[CheckpointMode, ...] = get_args(CheckpointMode)
 
 
 class Pipeline(nn.Module):
     """A model split into stages over devices, run as a GPipe pipeline of micro-batches.
 
-    Attributes: ``plan`` (the PipelinePlan), ``stages`` (stage GraphModules in order),
-    ``devices``, ``chunks`` and ``checkpoint``; ``module`` is the user's model.
+    Made by :func:`fxpipe.pipeline`. ``pipe(*args, **kwargs)`` returns what the model
+    returns, with the same gradients; ``parameters()``, ``state_dict()`` and
+    ``load_state_dict()`` are the model's own. Attributes: ``plan`` (the PipelinePlan),
+    ``stages`` (stage GraphModules in order), ``devices``, ``chunks``, ``checkpoint`` and
+    ``output_device``; ``module`` is the user's model.
     """
 
     def __init__(
@@ -55,26 +60,46 @@ class Pipeline(nn.Module):
         self.output_device = output_device
         self._traced = traced
         self._program = program
+        check_micro_batches(traced, chunks, model)
+        self._batch_statistics = BatchStatistics.of(traced)
+        if deferred_batch_norm:
+            self._batch_statistics.warned = True  # asked for: the docs say what it changes
         self._deferred = (
             [convert_deferred_batch_norm(m) for m in program.modules]
             if deferred_batch_norm
             else []
         )
         _place_parameters(model, program, self.devices)
-        self._executor = Executor(program, self.devices, checkpoint)
+        self._executor = Executor(
+            program,
+            self.devices,
+            checkpoint,
+            labels=[_stage_label(plan, j) for j in range(plan.num_stages)],
+        )
         self._wanted = [x.name for x in program.output_leaves if isinstance(x, ValueRef)]
         self._modules_at_build = _module_ids(model)
         self.training = model.training
 
     @property
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:
+        """The stage GraphModules, in pipeline order (``stages[j]`` runs on ``devices[j]``)."""
         return self._program.modules
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``model(*args, **kwargs)`` as micro-batches through the stages; the output has
+        the model's structure, on ``output_device`` (default: the first tensor's device).
+
+        Arguments are checked against the example the pipeline was built on (the same
+        structure, the same non-tensor values, one batch size on dim 0): a mismatch is an
+        ``InputError``. Torch's RuntimeError inside a stage (a shape error, say) becomes a
+        ``StageRunError`` naming the stage, the micro-batch and its rows of the batch; other
+        exceptions keep their type and get that as a note.
+        """
         self._check_unchanged()
         values = self._traced.binder.bind(args, kwargs)
         device = self.output_device or _first_device(values)
         batches = scatter(values, self.chunks)
+        self._batch_statistics.warn_once(len(batches))
         results = self._executor.run(batches, self._wanted)
         flat = [
             [env[x.name] if isinstance(x, ValueRef) else x for x in self._program.output_leaves]
@@ -83,6 +108,7 @@ class Pipeline(nn.Module):
         return tree_unflatten(gather(flat, device), self._program.output_spec)
 
     def train(self, mode: bool = True) -> Pipeline:
+        """Set training mode (``mode=False``: eval) on the pipeline, its stages and the model."""
         super().train(mode)
         for stage in self._program.modules:
             stage.train(mode)
@@ -104,6 +130,8 @@ class Pipeline(nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict)
 
     def to(self, *args: Any, **kwargs: Any) -> Pipeline:
+        """Change the dtype of the parameters and buffers in place (``pipe.to(torch.bfloat16)``);
+        a device is refused (``DeviceError``): stages stay on the devices they were built for."""
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None:
             raise DeviceError(
@@ -113,12 +141,21 @@ class Pipeline(nn.Module):
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> Pipeline:
-        raise DeviceError("a pipeline's stages stay on their devices; cuda() is not allowed")
+        """Refused (``DeviceError``): stages stay on the devices they were built for."""
+        raise DeviceError(
+            f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
+            "cuda() is not allowed: build a new pipeline with other devices"
+        )
 
     def cpu(self) -> Pipeline:
-        raise DeviceError("a pipeline's stages stay on their devices; cpu() is not allowed")
+        """Refused (``DeviceError``): stages stay on the devices they were built for."""
+        raise DeviceError(
+            f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
+            "cpu() is not allowed: build a new pipeline with other devices"
+        )
 
     def extra_repr(self) -> str:
+        """What ``repr(pipe)`` shows beside the model: stages, devices, chunks, checkpoint."""
         devices = ", ".join(str(d) for d in self.devices)
         return (
             f"stages={len(self.devices)}, devices=[{devices}], chunks={self.chunks}, "
@@ -132,6 +169,13 @@ class Pipeline(nn.Module):
                 "parameter or buffer was replaced, added or removed); call fxpipe.pipeline() "
                 "again on the model, or change values in place (param.data.copy_(...))"
             )
+
+
+def _stage_label(plan: PipelinePlan, j: int) -> str:
+    """``stage 1 (blocks.2 to head, on cpu)``: a stage as its modules name it."""
+    first, last = stage_span(plan, plan.stages[j])
+    span = first if first == last else f"{first} to {last}"
+    return f"stage {j} ({span + ', ' if span else ''}on {plan.stages[j].device})"
 
 
 def _module_ids(model: nn.Module) -> list[int]:

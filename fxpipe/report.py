@@ -208,9 +208,15 @@ def _title(plan: PipelinePlan) -> str:
         "flops": "forward + backward FLOP",
         "params": "parameter bytes",
     }.get(costs.mode, "a user cost function")
+    batch, how = f"{costs.batch_size} samples", ""
+    if costs.mode == "roofline":  # the default: seconds a reference device would take
+        from fxpipe.passes.roofline import roofline_for
+
+        what, batch = "forward + backward time", f"{batch} in {plan.chunks} micro-batches"
+        how = f" on {roofline_for(plan.devices[0].type).reference}, estimated by a roofline"
     return (
         f"PipelinePlan: {plan.num_stages} stages, {len(plan.stage_of)} nodes; "
-        f"cost = {what} of the example batch ({costs.batch_size} samples)"
+        f"cost = {what} of the example batch ({batch}){how}"
     )
 
 

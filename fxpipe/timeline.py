@@ -52,16 +52,35 @@ class TaskRecord:
 
     @property
     def duration(self) -> float:
+        """Seconds the task took."""
         return self.end - self.start
 
 
 def record(pipe: Pipeline) -> Timeline:
-    """Record what ``pipe`` runs inside a ``with`` block; the block yields the Timeline."""
+    """Record every task ``pipe`` runs inside a ``with`` block; the block yields the Timeline.
+
+    ``with fxpipe.record(pipe) as tl:`` times each forward, recompute, backward and copy of
+    each micro-batch and stage (host clock on CPU, CUDA events on GPUs); put the backward
+    inside the block too. Outside a block recording costs nothing. Afterwards
+    ``tl.summary()`` prints busy time per stage and the measured bubble next to GPipe's
+    prediction, ``tl.plot(path)`` draws the Gantt chart and ``tl.to_chrome_trace(path)``
+    writes a trace for chrome://tracing or ui.perfetto.dev.
+
+    Args:
+        pipe: the :class:`fxpipe.Pipeline` that :func:`fxpipe.pipeline` returned.
+
+    Raises:
+        ConfigError: ``pipe`` is not a Pipeline, or it is already being recorded.
+    """
     return Timeline(pipe)
 
 
 class Timeline:
-    """The tasks one recording saw, with the plan they ran and the measured bubble."""
+    """The tasks one recording saw, with the plan they ran and the measured bubble.
+
+    ``tasks`` (TaskRecords, seconds since the first task started), ``plan``, ``devices``
+    (one per stage, as text), ``chunks`` and ``checkpoint`` of the pipeline recorded.
+    """
 
     def __init__(self, pipe: Pipeline) -> None:
         executor = getattr(pipe, "_executor", None)
@@ -110,8 +129,18 @@ class Timeline:
         return _union([(t.start, t.end) for t in self.tasks if t.j == j and t.phase in wanted])
 
     def bubble(self) -> float:
-        """Measured idle fraction: per distinct device, the share of the makespan it did not
-        compute, averaged over the devices."""
+        """The measured bubble: the share of the run (first task's start to last task's end)
+        each stage computed nothing, averaged over the stages; the grey share of the chart's
+        rows, and what :meth:`predicted_bubble` predicts with one device per stage."""
+        if not self.tasks or self.makespan <= 0:
+            return 0.0
+        idle = [1.0 - self.busy(j) / self.makespan for j in range(len(self.devices))]
+        return sum(idle) / len(idle)
+
+    def device_idle(self) -> float:
+        """The share of the run each distinct device computed nothing, averaged over the
+        devices. Equal to :meth:`bubble` with one device per stage; lower where stages
+        share a device and take turns on it."""
         if not self.tasks or self.makespan <= 0:
             return 0.0
         idle = []
@@ -124,9 +153,28 @@ class Timeline:
             idle.append(1.0 - _union(spans) / self.makespan)
         return sum(idle) / len(idle)
 
+    @property
+    def shares_devices(self) -> bool:
+        """Whether two or more stages ran on one device (taking turns on it)."""
+        return len(set(self.devices)) < len(self.devices)
+
     def predicted_bubble(self) -> float:
         """The plan's GPipe bubble for this run's chunks (one device per stage, no transfers)."""
         return gpipe_prediction(self.plan, self.chunks)[0]
+
+    def headline(self) -> str:
+        """One line on idle time that says what it is a share of; the chart's subtitle."""
+        stages = f"stages idle {100 * self.bubble():.0f}% of the run (grey)"
+        predicted = f"GPipe predicts {100 * self.predicted_bubble():.0f}%"
+        if not self.shares_devices:
+            return f"{stages}; {predicted} for chunks={self.chunks}"
+        n = len(set(self.devices))
+        names = ", ".join(dict.fromkeys(self.devices))
+        return (
+            f"{stages} while {len(self.devices)} stages take turns on {n} device"
+            f"{'s' if n > 1 else ''} ({names}), busy {100 * (1 - self.device_idle()):.0f}% "
+            f"of it; {predicted} with one device per stage"
+        )
 
     # ------------------------------------------------------------------ views
 
@@ -183,20 +231,29 @@ class Timeline:
 
     def _notes(self) -> list[str]:
         notes = [
-            f"measured bubble:  {100 * self.bubble():.1f}% (idle share of each device's time "
-            "between the first task and the last, averaged over devices)",
+            f"measured bubble:  {100 * self.bubble():.1f}% (share of the run each stage "
+            "computed nothing, grey in the chart, averaged over stages)",
             f"predicted bubble: {100 * self.predicted_bubble():.1f}% for chunks={self.chunks} "
             "(GPipe, one device per stage; recompute and transfers not counted)",
         ]
-        if len(set(self.devices)) < len(self.devices):
+        if self.shares_devices:
             notes.append(
-                "note: several stages share a device, so they take turns on it and the measured "
-                "bubble is not comparable with the prediction"
+                f"device idle:      {100 * self.device_idle():.1f}% (share of the run each "
+                "device computed nothing, averaged over devices)"
+            )
+            notes.append(
+                "note: several stages share a device and take turns on it, so the measured "
+                "bubble counts turns waited and is not comparable with the prediction"
             )
         return notes
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
-        """Write the Gantt chart (.png, .svg or .pdf; needs matplotlib)."""
+        """Write the Gantt chart (.png, .svg or .pdf; needs matplotlib); returns its path.
+
+        One row per stage, a box per task coloured by phase with its micro-batch number, idle
+        time in grey. ``title`` replaces the first line of the chart's title; the second
+        line, what the idle time is a share of, is always :meth:`headline`.
+        """
         from fxpipe.viz import CHART_FORMATS, output_path, save_figure, timeline_figure
 
         target, _ = output_path(path, CHART_FORMATS)

@@ -259,17 +259,20 @@ def _byte_formatter() -> Any:
 
 
 def timeline_figure(timeline: Timeline, title: str | None = None) -> Figure:
-    """One row per stage (its device named), a box per task coloured by phase with the
-    micro-batch number inside, idle time shaded, time in ms."""
+    """One row per stage (its device named), a box per task coloured by phase with its
+    micro-batch number (inside, or above or below a box too narrow for it), idle time
+    shaded, time in ms; the title's second line says what the idle share is of."""
     k = len(timeline.devices)
-    fig = _figure(12.0, 1.2 + 0.62 * k)
+    fig = _figure(12.0, 1.6 + 0.75 * k)
     ax = fig.subplots()
     span_ms = max(timeline.makespan * 1e3, 1e-6)
     for j in range(k):
         ax.barh(j, span_ms, left=0, height=0.84, color="#f1f1f1", edgecolor="none", zorder=0)
-    px_per_ms = 12.0 * 100 * 0.85 / span_ms
-    for t in timeline.tasks:
-        _task_box(ax, t, px_per_ms)
+    labels = _BoxLabels(ax, px_per_ms=_AXES_WIDTH_PX / span_ms)
+    for t in sorted(timeline.tasks, key=lambda t: (t.j, t.start)):
+        _task_box(ax, t)
+        if t.phase != "copy":
+            labels.place(t)
     ax.set_yticks(range(k), [f"stage {j}\n{d}" for j, d in enumerate(timeline.devices)])
     ax.set_ylim(k - 0.5, -0.5)
     ax.set_xlim(0, span_ms * 1.01)
@@ -282,18 +285,23 @@ def timeline_figure(timeline: Timeline, title: str | None = None) -> Figure:
         fontsize=8,
         frameon=False,
     )
-    measured, predicted = timeline.bubble(), timeline.predicted_bubble()
-    ax.set_title(
-        title
-        or f"Pipeline timeline: {k} stages, chunks={timeline.chunks}, "
-        f"checkpoint={timeline.checkpoint!r}; idle {100 * measured:.0f}% of device time "
-        f"(GPipe prediction {100 * predicted:.0f}%)",
-        fontsize=10,
-    )
+    ax.set_title(f"{title or _timeline_title(timeline)}\n{timeline.headline()}", fontsize=10)
     return fig
 
 
-def _task_box(ax: Axes, t: Any, px_per_ms: float) -> None:
+def _timeline_title(timeline: Timeline) -> str:
+    n = len(set(timeline.devices))
+    return (
+        f"Pipeline timeline: {len(timeline.devices)} stages on {n} device{'s' if n > 1 else ''}, "
+        f"chunks={timeline.chunks}, checkpoint={timeline.checkpoint!r}"
+    )
+
+
+#: Width of the chart's axes in pixels, roughly (figure 12 in at 100 dpi, less the legend).
+_AXES_WIDTH_PX = 12.0 * 100 * 0.82
+
+
+def _task_box(ax: Axes, t: Any) -> None:
     left, width = t.start * 1e3, max((t.end - t.start) * 1e3, 1e-6)
     copy = t.phase == "copy"
     y, height = (t.j + 0.3, 0.2) if copy else (t.j, 0.62)
@@ -308,18 +316,37 @@ def _task_box(ax: Axes, t: Any, px_per_ms: float) -> None:
         zorder=2,
         hatch="///" if copy else None,
     )
-    if not copy and width * px_per_ms >= 9:
-        ax.text(
-            left + width / 2,
-            y,
-            str(t.i),
-            ha="center",
-            va="center",
-            fontsize=7,
-            color="white",
-            zorder=3,
-            clip_on=True,
-        )
+
+
+class _BoxLabels:
+    """Writes each box's micro-batch number: inside when it fits, else in a smaller font just
+    above or below the box, in a lane of its row that no earlier label covers there."""
+
+    #: Pixels a digit takes at the inside (7 pt) and outside (6 pt) font sizes, and a margin.
+    INSIDE_DIGIT, OUTSIDE_DIGIT, MARGIN = 6.0, 5.0, 3.0
+
+    def __init__(self, ax: Axes, px_per_ms: float) -> None:
+        self.ax = ax
+        self.px_per_ms = px_per_ms
+        #: (row, lane) -> right edge, in ms, of the last label written there.
+        self.reach: dict[tuple[int, int], float] = {}
+
+    def place(self, t: Any) -> None:
+        left, width = t.start * 1e3, (t.end - t.start) * 1e3
+        text, centre = str(t.i), left + width / 2
+        if width * self.px_per_ms >= self.INSIDE_DIGIT * len(text) + self.MARGIN:
+            self._write(centre, t.j, text, fontsize=7, color="white", va="center")
+            return
+        half = (self.OUTSIDE_DIGIT * len(text) + self.MARGIN) / 2 / self.px_per_ms
+        for lane, offset, va in ((0, -0.33, "bottom"), (1, 0.33, "top")):
+            if self.reach.get((t.j, lane), float("-inf")) <= centre - half:
+                self.reach[(t.j, lane)] = centre + half
+                color = PHASE_COLORS.get(t.phase, "#333333")
+                self._write(centre, t.j + offset, text, fontsize=6, color=color, va=va)
+                return
+
+    def _write(self, x: float, y: float, text: str, **style: Any) -> None:
+        self.ax.text(x, y, text, ha="center", zorder=3, clip_on=True, **style)
 
 
 def _legend(timeline: Timeline) -> list[Any]:
@@ -329,4 +356,5 @@ def _legend(timeline: Timeline) -> list[Any]:
     handles = [Patch(color=PHASE_COLORS[p], label=p) for p in phases]
     handles.append(Patch(color="#f1f1f1", label="idle (bubble)"))
     handles.append(Patch(color="white", label="number = micro-batch"))
+    handles.append(Patch(color="white", label="(above or below a narrow box)"))
     return handles

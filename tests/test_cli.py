@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import io
 import os
@@ -9,12 +10,15 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
+import torch
 
+import fxpipe
 from fxpipe import cli
 from fxpipe.factory import load_factory, parse_shape
+from fxpipe.ir import CheckpointMode, CostMode, TracerName
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = "examples/factories.py:unet"
@@ -153,3 +157,52 @@ def test_progress_only_on_a_terminal() -> None:
 
         assert cost_model._Pricer.run_node.__name__ == "run_node"
     assert "fxpipe: planning: done in" in loud.getvalue()
+
+
+def test_version_prints_fxpipe_and_torch(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out == f"fxpipe {fxpipe.__version__} (torch {torch.__version__})\n"
+    try:
+        installed = importlib.metadata.version("fxpipe")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    assert installed == fxpipe.__version__
+
+
+def test_version_from_the_command_line() -> None:
+    done = _cli("--version")
+    assert done.returncode == 0 and done.stdout.startswith(f"fxpipe {fxpipe.__version__} ")
+
+
+def _inspect_parser() -> argparse.ArgumentParser:
+    actions = cli._parser()._actions
+    sub = next(a for a in actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices["inspect"]
+    return parser
+
+
+def test_every_inspect_option_has_help_text(capsys: Any) -> None:
+    parser = _inspect_parser()
+    undocumented = [a.dest for a in parser._actions if len((a.help or "").split()) < 3]
+    assert undocumented == []
+    with pytest.raises(SystemExit) as done:
+        cli.main(["inspect", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for action in parser._actions:
+        assert " ".join((action.help or "").split()) in text  # rendered, not only declared
+
+
+@pytest.mark.parametrize(
+    "dest, alias", [("cost", CostMode), ("checkpoint", CheckpointMode), ("tracer", TracerName)]
+)
+def test_option_choices_are_the_api_choices_and_each_is_explained(dest: str, alias: Any) -> None:
+    (action,) = [a for a in _inspect_parser()._actions if a.dest == dest]
+    assert tuple(action.choices or ()) == get_args(alias)
+    for choice in get_args(alias):
+        assert re.search(rf"\b{choice}\b", action.help or ""), (dest, choice)
+    assert action.default in get_args(alias)  # and the help says which one it is:
+    assert re.search(rf"\b{action.default}\b[^;]*(; |\()the default\)", action.help or "")

@@ -34,6 +34,7 @@ from fxpipe.errors import (
     FxPipeError,
     InputError,
     PlanError,
+    StageRunError,
     TraceError,
 )
 
@@ -172,6 +173,36 @@ class Masked(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         return h + h[h > 0].sum()
+
+
+class Keyed(nn.Module):
+    """Takes one dict argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(batch["x"])) * batch["scale"])
+
+
+class FixedRows(nn.Module):
+    """A batch size of 6 written into the model: ``reshape(6, 2, 4)`` of the hidden rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).reshape(6, 2, 4).sum(1)
+        return self.b(h)
+
+
+def _keyed_call(model: nn.Module) -> Any:
+    pipe = fxpipe.pipeline(model, ({"x": X, "scale": X},), CPU2, cost="flops", chunks=2)
+    return pipe({"x": X})
 
 
 def export_only() -> nn.Module:
@@ -314,6 +345,19 @@ CATALOGUE: dict[str, Bad] = {
         r"y has batch size 4 \(shape \(4, 4\)\) but x has 6",
     ),
     "example batch empty": Bad(net, _build(example=X[:0]), InputError, "empty"),
+    "example is a list of one tensor": Bad(
+        net,
+        _build(example=[X]),
+        InputError,
+        r"example_input is a list of 1 item \(a tensor of shape \(6, 4\)\), which the model "
+        r"would get as one argument; pass the tensor itself .* a tuple \(x, y\) .*\(\[a, b\],\)",
+    ),
+    "example is a list of the arguments": Bad(
+        Pair,
+        lambda m: fxpipe.plan(m, [X, X], CPU2, example_kwargs={"scale": X}),
+        InputError,
+        r"example_input is a list of 2 items .* a tuple \(x, y\) for several positional",
+    ),
     "model is not a module": Bad(net, lambda m: _pipe(m.forward), ConfigError, "method"),
     # planning
     "more stages than cut points": Bad(
@@ -328,6 +372,14 @@ CATALOGUE: dict[str, Bad] = {
     ),
     "output Python float from item()": Bad(
         lambda: Outputs(lambda h: h.mean().item()), _build(), PlanError, "'item'"
+    ),
+    "batch size written into the model": Bad(
+        FixedRows,
+        _build(),
+        PlanError,
+        r"runs on the example batch of 6 rows but not on its micro-batches of 3 rows "
+        r"\(chunks=2\): at reshape\(a, 6, 2, 4\) in forward: shape '\[6, 2, 4\]' is invalid.*"
+        r"compute it from the input \(x\.shape\[0\].*or pass chunks=1",
     ),
     "output 0-dim loss": Bad(
         lambda: Outputs(lambda h: F.mse_loss(h, torch.zeros_like(h))),
@@ -361,6 +413,32 @@ CATALOGUE: dict[str, Bad] = {
     # devices and runtime options
     "devices empty": Bad(net, _build(devices=()), DeviceError, r"devices=\[\] is empty"),
     "devices None": Bad(net, _build(devices=None), DeviceError, "devices=None"),
+    "devices one comma-separated string": Bad(
+        net,
+        _build(devices="cpu,cpu"),
+        DeviceError,
+        r"devices='cpu,cpu' is one string; pass a list with one device per stage: "
+        r"\['cpu', 'cpu'\]$",
+    ),
+    "devices one device": Bad(
+        net, _build(devices="cpu"), DeviceError, r"devices='cpu' is one device; .*\['cpu', 'cpu'\]"
+    ),
+    "devices a count": Bad(
+        net,
+        _build(devices=2),
+        DeviceError,
+        r"devices=2 is one CUDA index, not a count; .*\[0, 1\] for the first 2 GPUs, "
+        r"or \['cpu'\] \* 2",
+    ),
+    "CPU with an index": Bad(
+        net,
+        _build(devices=["cpu", "cpu:5"]),
+        DeviceError,
+        r"device 'cpu:5' names CPU 5, but the CPU is one device .*write 'cpu'",
+    ),
+    "CPU with an index, plan()": Bad(
+        net, lambda m: fxpipe.plan(m, X, ["cpu:1", "cpu"]), DeviceError, "'cpu:1' names CPU 1"
+    ),
     "device string unknown": Bad(net, _build(devices=["cpu", "gpu:0"]), DeviceError, "'gpu:0'"),
     "device None": Bad(net, _build(devices=["cpu", None]), DeviceError, "device None"),
     "CUDA device absent": Bad(
@@ -383,7 +461,26 @@ CATALOGUE: dict[str, Bad] = {
     "checkpoint unknown": Bad(net, _build(checkpoint="Always"), ConfigError, "'Always'"),
     # calls
     "call with a tuple where a tensor was traced": Bad(
-        net, _call((X,)), InputError, r"structure differs .*TreeSpec\(tuple"
+        net,
+        _call((X,)),
+        InputError,
+        r"argument x is a tuple of 1 item \(a tensor of shape \(6, 4\)\) but the pipeline "
+        r"was traced with a tensor of shape \(batch, 4\) there; pass a tensor",
+    ),
+    "call with a list where a tensor was traced": Bad(
+        net,
+        _call([X]),
+        InputError,
+        r"argument x is a list of 1 item \(a tensor of shape \(6, 4\)\) but .* traced with a "
+        r"tensor of shape \(batch, 4\) there; pass a tensor of shape \(batch, 4\) as the "
+        r"example did, or rebuild",
+    ),
+    "call with a dict missing a key": Bad(
+        Keyed,
+        _keyed_call,
+        InputError,
+        r"argument batch is a dict with keys \['x'\] but the pipeline was traced with a dict "
+        r"with keys \['scale', 'x'\] there",
     ),
     "call with None where a tensor was traced": Bad(
         net, _call(None), InputError, "x is None but a tensor"
@@ -518,6 +615,45 @@ def test_a_failed_call_leaves_the_pipeline_working() -> None:
         with pytest.raises(InputError):
             pipe(bad)
     torch.testing.assert_close(pipe(X), twin(X))
+
+
+class Grouped(nn.Module):
+    """``reshape(3, -1)`` and back: right only for batches of 12 in 4 micro-batches (3 rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.c = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).reshape(3, -1)
+        return self.c(h.reshape(-1, 8))
+
+
+def test_a_shape_error_at_call_time_names_stage_micro_batch_batch_and_the_likely_cause() -> None:
+    torch.manual_seed(0)
+    model = Grouped()
+    x = torch.randn(12, 4)
+    pipe = fxpipe.pipeline(model, x, CPU2, cost="flops", chunks=4)
+    torch.testing.assert_close(pipe(x), model(x))  # the example's batch size works
+    with pytest.raises(RuntimeError) as eager:
+        model(x[:2])  # what a micro-batch of 2 rows does to the model itself
+    before = Snapshot.of(model)
+    with pytest.raises(StageRunError) as info:
+        pipe(x[:8])
+    error = info.value
+    assert isinstance(error, FxPipeError) and isinstance(error, RuntimeError)
+    assert type(error.__cause__) is RuntimeError and str(error.__cause__) == str(eager.value)
+    j = pipe.plan.stage_of["reshape"]
+    modules = " to ".join(m for m in "ac" if pipe.plan.stage_of[m] == j)
+    assert str(error).startswith(
+        f"stage {j} ({modules}, on cpu) failed on micro-batch 0 of 4 (rows 0-1 of the call's "
+        f"batch of 8): {eager.value}. A batch size written into the model"
+    )
+    assert re.search(r"compute it from the input \(x\.shape\[0\]", str(error))
+    assert "chunks=1" in str(error)
+    before.assert_same(model)
+    torch.testing.assert_close(pipe(x), model(x))  # and the pipeline still works
 
 
 # ---------------------------------------------------------------- parameters replaced

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 import threading
 import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import pytest
 import torch
@@ -13,7 +18,14 @@ from models import ZOO
 from torch import nn
 
 import fxpipe
-from fxpipe.errors import ConfigError, DeviceError, FxPipeError, InputError
+from fxpipe.errors import (
+    BatchStatisticsWarning,
+    ConfigError,
+    DeviceError,
+    FxPipeError,
+    InputError,
+    StageRunError,
+)
 
 
 class Net(nn.Module):
@@ -157,13 +169,13 @@ def test_deferred_batch_norm_matches_full_batch_running_stats() -> None:
     assert int(model[0].num_batches_tracked) == 4
 
 
-FAILURE = {"armed": False}
+FAILURE: dict[str, Exception | None] = {"armed": None}
 
 
 def boom(x: torch.Tensor) -> torch.Tensor:
-    """Identity that raises while armed; traced as one call, so the check runs per call."""
-    if FAILURE["armed"]:
-        raise KeyError("injected failure")
+    """Identity that raises the armed exception; traced as one call, so it runs per call."""
+    if FAILURE["armed"] is not None:
+        raise FAILURE["armed"]
     return x
 
 
@@ -183,20 +195,58 @@ class Fails(nn.Module):
         return self.c(boom(self.b(self.a(x))))
 
 
+def _fail_once(pipe: fxpipe.Pipeline, x: torch.Tensor, error: Exception) -> Exception:
+    """Call ``pipe(x)`` with ``boom`` armed to raise ``error``; what the call raised."""
+    FAILURE["armed"] = error
+    try:
+        with pytest.raises(Exception) as info:
+            pipe(x)
+    finally:
+        FAILURE["armed"] = None
+    return info.value
+
+
+def _stage_of_boom(pipe: fxpipe.Pipeline) -> str:
+    """``stage 2 (c, on cpu)``: the stage that runs ``boom``, named by its modules."""
+    j = pipe.plan.stage_of[next(n for n in pipe.plan.stage_of if n.startswith("boom"))]
+    modules = [m for m in "abc" if pipe.plan.stage_of[m] == j]
+    span = modules[0] if len(modules) == 1 else f"{modules[0]} to {modules[-1]}"
+    return f"stage {j} ({span}, on cpu)"
+
+
 def test_a_stage_that_raises_surfaces_its_exception_and_the_next_call_works() -> None:
     model = Fails()
     x = torch.randn(8, 4)
     pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, cost="flops")
     threads = threading.active_count()
-    FAILURE["armed"] = True
-    try:
-        with pytest.raises(KeyError, match="injected failure") as info:
-            pipe(x)
-    finally:
-        FAILURE["armed"] = False
-    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    error = _fail_once(pipe, x, KeyError("injected failure"))
+    assert type(error) is KeyError and error.args == ("injected failure",)
+    frames = [f.name for f in traceback.extract_tb(error.__traceback__)]
     assert frames[-1] == "boom"  # the raising frame is kept
+    notes = getattr(error, "__notes__", None)
+    if notes is not None:  # Python 3.11+: where it happened, added as a note
+        assert notes == [
+            f"fxpipe: raised by {_stage_of_boom(pipe)} on micro-batch 0 of 4 (rows 0-1 of "
+            "the call's batch of 8)"
+        ]
     assert threading.active_count() == threads
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_torch_runtime_error_in_a_stage_names_the_stage_micro_batch_and_rows() -> None:
+    """A plain RuntimeError (torch's kind) becomes a StageRunError caused by it; a message
+    about no size gets no hint about batch sizes written into the model."""
+    model = Fails()
+    x = torch.randn(10, 4)
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, cost="flops")
+    cause = RuntimeError("injected failure")
+    error = _fail_once(pipe, x, cause)
+    assert isinstance(error, StageRunError) and isinstance(error, RuntimeError)
+    assert error.__cause__ is cause
+    assert str(error) == (
+        f"{_stage_of_boom(pipe)} failed on micro-batch 0 of 4 (rows 0-2 of the call's batch "
+        "of 10): injected failure"
+    )
     torch.testing.assert_close(pipe(x), model(x))
 
 
@@ -332,3 +382,138 @@ def test_a_1pct_slack_grows_the_bottleneck_at_most_1pct_for_fewer_bytes() -> Non
                 assert loose.bottleneck <= best.bottleneck, (name, stages)
             fewer += sent[1] < sent[0]
     assert fewer >= 2  # the slack reaches the partitioner and buys fewer bytes somewhere
+
+
+# ------------------------------------------------- BatchNorm: warned once per pipeline
+
+
+class Normed(nn.Module):
+    """A BatchNorm between two linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(self.bn(self.a(x)))))
+
+
+def _calls(pipe: fxpipe.Pipeline, x: torch.Tensor, n: int) -> list[list[warnings.WarningMessage]]:
+    """The warnings of each of ``n`` calls, every warning shown (no de-duplication)."""
+    seen = []
+    for _ in range(n):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe(x)
+        seen.append([w for w in caught if issubclass(w.category, BatchStatisticsWarning)])
+    return seen
+
+
+def test_training_batch_norm_is_warned_about_once_per_pipeline_and_truly_differs() -> None:
+    torch.manual_seed(0)
+    model = Normed()
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 2, chunks=4, cost="flops")
+    first, *rest = _calls(pipe, x, 3)
+    assert [len(w) for w in [first, *rest]] == [1, 0, 0]
+    message = str(first[0].message)
+    assert first[0].filename == __file__  # points at the user's call
+    assert "1 BatchNorm layer ('bn') in training mode normalises each micro-batch" in message
+    assert "deferred_batch_norm=True makes the running statistics equal" in message
+    assert "chunks=1" in message and "once per pipeline" in message
+    got = pipe(x)
+    assert not torch.allclose(got, twin(x), atol=1e-4)  # what the warning says is true
+    other = fxpipe.pipeline(copy.deepcopy(twin), x, ["cpu"] * 2, chunks=4, cost="flops")
+    assert [len(w) for w in _calls(other, x, 2)] == [1, 0]  # once per pipeline, not process
+
+
+@pytest.mark.parametrize(
+    "setting", ["eval", "chunks=1", "deferred", "no batch norm", "batch-stats eval"]
+)
+def test_no_batch_norm_warning_where_outputs_equal_or_the_user_chose(setting: str) -> None:
+    torch.manual_seed(0)
+    model: nn.Module = _net() if setting == "no batch norm" else Normed()
+    x = torch.randn(8, 8 if setting == "no batch norm" else 4)
+    options = {"chunks": 1 if setting == "chunks=1" else 4, "cost": "flops"}
+    if setting == "deferred":
+        options["deferred_batch_norm"] = True
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 2, **options)  # type: ignore[arg-type]
+    if setting in ("eval", "batch-stats eval"):
+        pipe.eval()
+    if setting == "batch-stats eval":  # uses batch statistics even in eval: warned
+        model.bn.track_running_stats = False
+    calls = _calls(pipe, x, 2)
+    assert [len(w) for w in calls] == ([1, 0] if setting == "batch-stats eval" else [0, 0])
+
+
+def test_batch_norm_warning_comes_at_the_first_training_call() -> None:
+    torch.manual_seed(0)
+    model = Normed().eval()
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 2, chunks=4, cost="flops")
+    assert _calls(pipe, x, 1) == [[]]
+    torch.testing.assert_close(pipe(x), twin(x))  # eval: equal, and not warned
+    pipe.train()
+    assert [len(w) for w in _calls(pipe, x, 2)] == [1, 0]
+
+
+def test_batch_norm_fixed_in_training_by_export_is_warned_with_the_fx_remedy() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    pipe = fxpipe.pipeline(Normed(), x, ["cpu"] * 2, chunks=4, cost="flops", tracer="export")
+    pipe.eval()  # torch.export fixed the mode at trace time: still batch statistics
+    (warned,), *_ = _calls(pipe, x, 1)
+    assert "'bn'" in str(warned.message)
+    assert "needs a graph from torch.fx (tracer='fx')" in str(warned.message)
+
+
+# ---------------------------------------------------------------------------- help
+
+
+@pytest.mark.parametrize("function", [fxpipe.pipeline, fxpipe.plan], ids=["pipeline", "plan"])
+def test_every_keyword_is_documented(function: Callable[..., Any]) -> None:
+    doc = inspect.getdoc(function) or ""
+    for name in inspect.signature(function).parameters:
+        assert re.search(rf"^ +{name}: \S", doc, re.MULTILINE), f"{name} is not documented"
+    assert re.search(r"^Raises:\n +FxPipeError: ", doc, re.MULTILINE)
+
+
+def _literal_choices(hint: Any) -> set[str]:
+    """The strings a Literal annotation (possibly inside a union) allows."""
+    if get_origin(hint) is Literal:
+        return set(get_args(hint))
+    return set().union(*(_literal_choices(h) for h in get_args(hint)))
+
+
+@pytest.mark.parametrize("function", [fxpipe.pipeline, fxpipe.plan], ids=["pipeline", "plan"])
+def test_option_annotations_are_the_choices_the_runtime_accepts(
+    function: Callable[..., Any],
+) -> None:
+    from fxpipe.passes.cost_model import COST_MODES
+    from fxpipe.runtime.executor import CHECKPOINT_MODES
+    from fxpipe.tracing import TRACERS
+
+    hints = get_type_hints(function)
+    assert _literal_choices(hints["tracer"]) == set(TRACERS)
+    assert _literal_choices(hints["cost"]) == {"auto", *COST_MODES}
+    if "checkpoint" in hints:
+        assert _literal_choices(hints["checkpoint"]) == set(CHECKPOINT_MODES)
+
+
+@pytest.mark.parametrize("owner", [fxpipe.Pipeline, fxpipe.PipelinePlan, fxpipe.Timeline])
+def test_public_methods_and_properties_have_docstrings(owner: type) -> None:
+    public = {
+        name: member
+        for name, member in vars(owner).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(member) or isinstance(member, property))
+    }
+    assert public
+    undocumented = [name for name, member in public.items() if not (member.__doc__ or "").strip()]
+    assert undocumented == []
+    assert (fxpipe.record.__doc__ or "").count("\n") > 5

@@ -141,11 +141,16 @@ def test_no_grad_records_forward_only() -> None:
 def test_summary_and_measurements() -> None:
     tl, _ = _step(_pipe("except_last"))
     text = tl.summary()
-    assert "measured bubble" in text and "predicted bubble" in text
+    assert "measured bubble" in text and "predicted bubble" in text and "device idle" in text
     assert "share a device" in text  # three stages on one CPU
     for j in range(K):
         assert 0 < tl.busy(j) <= tl.makespan
-    assert 0.0 <= tl.bubble() < 1.0
+    # The stages take turns in one thread, so their busy times add up to at most the run:
+    # each stage idles at least (K - 1) / K of it, while the one device idles little.
+    assert sum(tl.busy(j) for j in range(K)) <= tl.makespan * (1 + 1e-9)
+    assert tl.bubble() >= (K - 1) / K - 1e-9
+    assert tl.device_idle() < tl.bubble()
+    assert f"measured bubble:  {100 * tl.bubble():.1f}%" in text
     assert tl.predicted_bubble() == pytest.approx(
         fxpipe.report.gpipe_prediction(tl.plan, CHUNKS)[0]
     )
@@ -191,3 +196,72 @@ def test_copies_between_devices_are_recorded() -> None:
     assert {t.grad for t in copies} == {False, True}
     assert all(t.source != t.device for t in copies)
     assert Counter(t.phase for t in tl.tasks)["forward"] == 3 * CHUNKS
+
+
+# ------------------------------------------------ the chart's title and labels, on known tasks
+
+
+def _known(devices: tuple[str, ...], tasks: list[tuple[str, int, int, float, float]]) -> Timeline:
+    """A Timeline of the 3-stage pipeline whose tasks are ``(phase, i, j, start, end)``."""
+    tl = fxpipe.record(_pipe("never"))
+    tl.devices = devices
+    tl.tasks = [TaskRecord(p, i, j, devices[j], a, b) for p, i, j, a, b in tasks]
+    return tl
+
+
+def test_stages_sharing_one_device_idle_most_of_the_run_and_the_title_says_so() -> None:
+    """One after another on one device: each stage computes a third of the run."""
+    tl = _known(("cpu",) * 3, [("forward", 0, j, j * 1.0, j + 1.0) for j in range(3)])
+    assert tl.bubble() == pytest.approx(2 / 3)  # the grey share of every row
+    assert tl.device_idle() == pytest.approx(0.0)  # the device never waited
+    predicted = round(100 * tl.predicted_bubble())
+    assert tl.headline() == (
+        "stages idle 67% of the run (grey) while 3 stages take turns on 1 device (cpu), "
+        f"busy 100% of it; GPipe predicts {predicted}% with one device per stage"
+    )
+    pytest.importorskip("matplotlib")
+    from fxpipe.viz import timeline_figure
+
+    title = timeline_figure(tl).axes[0].get_title()
+    assert title == (
+        "Pipeline timeline: 3 stages on 1 device, chunks=4, checkpoint='never'\n" + tl.headline()
+    )
+    custom = timeline_figure(tl, title="My run").axes[0].get_title()
+    assert custom == "My run\n" + tl.headline()
+
+
+def test_one_device_per_stage_has_one_idle_measure() -> None:
+    """Micro-batch i at stage j runs in [i + j, i + j + 1]: each stage busy 2 of 4 units."""
+    devices = ("cuda:0", "cuda:1", "cuda:2")
+    tasks = [("forward", i, j, i + j * 1.0, i + j + 1.0) for i in range(2) for j in range(3)]
+    tl = _known(devices, tasks)
+    assert tl.bubble() == pytest.approx(0.5) == tl.device_idle()
+    predicted = round(100 * tl.predicted_bubble())
+    assert (
+        tl.headline()
+        == f"stages idle 50% of the run (grey); GPipe predicts {predicted}% for chunks=4"
+    )
+    assert "device idle" not in tl.summary()
+
+
+def _labels(tl: Timeline) -> list[tuple[str, float, float, float]]:
+    """Each micro-batch number the chart writes: text, x (ms), y (row + offset), font size."""
+    pytest.importorskip("matplotlib")
+    from fxpipe.viz import timeline_figure
+
+    ax = timeline_figure(tl).axes[0]
+    return sorted((t.get_text(), *t.get_position(), t.get_fontsize()) for t in ax.texts)
+
+
+def test_every_box_is_numbered_inside_or_next_to_it() -> None:
+    """A 1 s run: a wide box holds its number; 1 ms boxes get theirs above (or, where the
+    label above would touch the previous one, below) the box."""
+    wide = [("backward", 9, 1, 0.5, 0.6)]
+    apart = [("forward", i, 0, i * 0.1, i * 0.1 + 0.001) for i in range(5)]
+    crowded = [("forward", i, 2, 0.5 + i * 0.002, 0.501 + i * 0.002) for i in range(5, 8)]
+    labels = _labels(_known(("cpu",) * 3, wide + apart + crowded))
+    assert labels[-1] == ("9", pytest.approx(550.0), 1.0, 7.0)  # inside, centred
+    above = [(x, y) for text, x, y, size in labels if size == 6 and y < 0]
+    assert above == [(pytest.approx(100 * i + 0.5), pytest.approx(-0.33)) for i in range(5)]
+    on_row_2 = {text: y for text, _, y, _ in labels if 1.5 < y < 2.5}
+    assert on_row_2 == {"5": pytest.approx(1.67), "6": pytest.approx(2.33)}  # 7: no room

@@ -10,19 +10,21 @@ of them, and store their outputs.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.errors import ConfigError, InputError, StageError
+from fxpipe.errors import ConfigError, InputError, StageError, StageRunError
 from fxpipe.ir import StageProgram
 from fxpipe.runtime.batchnorm import DeferredBatchNorm
 from fxpipe.runtime.checkpoint import Checkpointing
 from fxpipe.runtime.copy import copy, wait
 from fxpipe.runtime.dependency import fork, join
+from fxpipe.runtime.microbatch import batch_size
 from fxpipe.runtime.recording import Recorder
 from fxpipe.runtime.schedule import clock_cycles
 from fxpipe.runtime.stream import (
@@ -55,6 +57,8 @@ class _Run:
     stops: list[int]
     grad: bool
     keep: frozenset[str]
+    #: The micro-batches as given, for error messages (their rows).
+    batches: Sequence[tuple[Any, ...]] = ()
     #: Stage arguments prepared by the fence, waiting for the compute phase.
     args: dict[Cell, list[Any]] = field(default_factory=dict)
 
@@ -81,6 +85,8 @@ class Executor:
         program: StageProgram,
         devices: Sequence[torch.device | str | int],
         checkpoint: str = "except_last",
+        *,
+        labels: Sequence[str] | None = None,
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ConfigError(
@@ -94,6 +100,8 @@ class Executor:
         self.program = program
         self.devices = tuple(normalize_device(d) for d in devices)
         self.checkpoint = checkpoint
+        #: How error messages name each stage (``stage 1 (blocks.2 to head, on cpu)``).
+        self.labels = tuple(labels or (f"stage {j}" for j in range(program.num_stages)))
         self._distinct_devices = frozenset(self.devices)
         #: The DeferredBatchNorm wrappers of each stage; told the micro-batch count per run.
         self.deferred_batch_norms: tuple[tuple[DeferredBatchNorm, ...], ...] = tuple(
@@ -163,6 +171,7 @@ class Executor:
             stops=[self.checkpoint_stop(m, j) for j in range(self.program.num_stages)],
             grad=torch.is_grad_enabled(),
             keep=frozenset(wanted),
+            batches=batches,
         )
 
     # One cell (i, j), stage j - 1 on another device, checkpointing on:
@@ -311,11 +320,25 @@ class Executor:
             results = [queues[1][j].get() for _, j, _ in pending]
         for (i, j, checkpointing), (ok, payload) in zip(pending, results, strict=True):
             if not ok:
-                raise payload[1].with_traceback(payload[2])
+                self._raise_failure(payload, (i, j), run)
             outputs = self._check_outputs(payload, j)
             if checkpointing is not None:
                 outputs = checkpointing.recompute(outputs)
             run.envs[i].update(zip(self.program.outputs[j], outputs, strict=True))
+
+    def _raise_failure(self, exc_info: Any, cell: Cell, run: _Run) -> NoReturn:
+        """Re-raise what cell ``(i, j)`` raised: torch's plain RuntimeError (shape errors)
+        as a StageRunError naming the stage, the micro-batch and its rows of the batch; any
+        other exception as it is, with that context added as a note."""
+        _, error, traceback = exc_info
+        error = error.with_traceback(traceback)
+        stage, micro_batch = self.labels[cell[1]], _micro_batch(cell[0], run)
+        if type(error) is RuntimeError:
+            message = f"{stage} failed on {micro_batch}: {error}{_size_hint(error)}"
+            raise StageRunError(message) from error
+        if isinstance(error, Exception) and hasattr(error, "add_note"):
+            error.add_note(f"fxpipe: raised by {stage} on {micro_batch}")
+        raise error
 
     def _check_outputs(self, outputs: Any, j: int) -> tuple[Any, ...]:
         names = self.program.outputs[j]
@@ -326,3 +349,26 @@ class Executor:
                 f"but returned {type(outputs).__name__} {got}"
             )
         return tuple(outputs)
+
+
+def _micro_batch(i: int, run: _Run) -> str:
+    """``micro-batch 2 of 4 (rows 6-8 of the call's batch of 12)``."""
+    rows = [batch_size(b) or 0 for b in run.batches]
+    first = sum(rows[:i])
+    span = f"rows {first}-{first + rows[i] - 1}" if rows[i] > 1 else f"row {first}"
+    return f"micro-batch {i} of {len(rows)} ({span} of the call's batch of {sum(rows)})"
+
+
+_SIZE_WORDS = re.compile(r"shape|size|dimension|mat1 and mat2", re.IGNORECASE)
+
+
+def _size_hint(error: BaseException) -> str:
+    """For a shape error, the likely cause when it appears only in micro-batches."""
+    if not _SIZE_WORDS.search(str(error)):
+        return ""
+    return (
+        ". A batch size written into the model (a fixed number in reshape/view/expand, or a "
+        "tensor made for a fixed batch) fits whole batches of that size, not micro-batches: "
+        "compute it from the input (x.shape[0], or -1 in reshape/view), or pass chunks=1 to "
+        "run whole batches"
+    )
