@@ -26,17 +26,17 @@ __all__ = ["mark_aliasing"]
 
 
 def mark_aliasing(gm: fx.GraphModule, values: Sequence[Any]) -> None:
-    """Run ``gm`` once on fake copies of ``values`` and mark its nodes; a graph that does
-    not run on fake tensors is left unmarked (the op-name rules still apply)."""
+    """Run ``gm`` once on fake copies of ``values`` and mark its nodes. Marks only add
+    constraints: a run that stops early (a graph that does not run on fake tensors) leaves
+    the nodes after it to the op-name rules, and a second run (in the other train/eval mode,
+    where modules may alias differently) adds its marks to the first's."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode, torch.no_grad():
             fakes = tree_map(lambda v: mode.from_tensor(v) if _is_tensor(v) else v, values)
             _Marker(gm).run(*fakes)
     except Exception:
-        for node in gm.graph.nodes:
-            node.meta.pop(ALIASES, None)
-            node.meta.pop(WRITES, None)
+        return
 
 
 def _is_tensor(value: Any) -> bool:

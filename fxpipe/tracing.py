@@ -97,8 +97,11 @@ def trace(
         except Exception as e:  # any tracer failure: try the next one, report all
             failures.append((name, e))
             continue
-        with _preserved(model), fake_runnable(model):
-            mark_aliasing(traced.graph_module, traced.example_values)
+        if traced.tracer == "fx":  # export's aten ops say what they alias and write
+            with _preserved(model), fake_runnable(model):
+                mark_aliasing(traced.graph_module, traced.example_values)
+                model.train(not model.training)  # the graph follows train()/eval(): both
+                mark_aliasing(traced.graph_module, traced.example_values)
         _clone_mutated_inputs(traced.graph_module)
         _recompute_shared_inputs(traced.graph_module, traced.example_values)
         return traced

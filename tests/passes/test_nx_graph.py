@@ -142,6 +142,8 @@ def test_unused_in_place_result_still_orders_later_readers_in_the_zoo() -> None:
         for reader in target.users:
             if reader is node or reader.op == "output":
                 continue
+            if g.edges[target.name, reader.name]["is_tensor"] is False:
+                continue  # a view of the value (an eval-mode dropout): kept with the write
             if position[reader] < position[node]:
                 assert g.has_edge(reader.name, node.name), reader.name
             else:
