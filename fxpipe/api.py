@@ -13,24 +13,25 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
-from fxpipe.binding import argument_name
+from fxpipe.binding import argument_name, describe_value
 from fxpipe.devices import device_capacity, normalize_devices, parse_device
 from fxpipe.errors import ConfigError, DeviceError, InputError, PlanError
-from fxpipe.ir import PipelinePlan, StageProgram
+from fxpipe.ir import CheckpointMode, CostMode, PipelinePlan, StageProgram, TracerName
 from fxpipe.passes.cost_model import COST_MODES, estimate_costs
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.plan import build_plan
+from fxpipe.passes.recorded import recorded_outputs
+from fxpipe.passes.shape_only import same_shape_output
 from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
+from fxpipe.progress import phase, pricing_progress
 from fxpipe.tracing import Traced, _preserved, fake_runnable, trace
 
 __all__ = ["plan", "pipeline", "compile_model", "Compiled"]
 
 CostArg = str | Callable[[fx.Node], float]
-#: Graphs up to this many nodes are profiled when ``cost="auto"`` and the devices allow it.
-AUTO_TIME_MAX_NODES = 3000
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,50 @@ class Compiled:
 def plan(
     model: nn.Module,
     example_input: Any,
-    devices: Sequence[Any],
+    devices: Sequence[str | int | torch.device],
     *,
-    cost: CostArg = "auto",
-    tracer: str = "auto",
+    cost: CostMode | Callable[[fx.Node], float] = "auto",
+    tracer: TracerName = "auto",
     example_kwargs: Mapping[str, Any] | None = None,
     chunks: int | None = None,
     slack: float = 0.0,
 ) -> PipelinePlan:
-    """Trace ``model``, price its nodes and split it across ``devices``; runs nothing on them.
+    """Trace ``model``, price its nodes and split them into one stage per device; compile only.
 
-    ``slack`` lets the bottleneck grow by that fraction (0.01 = 1%) where that sends fewer
-    bytes between stages; the default 0 keeps the best bottleneck, with the fewest bytes
-    among the splits that reach it. The model is not modified.
+    Nothing runs on ``devices`` (they need not be present, and a model on ``meta`` can be
+    planned) and the model is not modified. ``print(plan)`` shows one row per stage;
+    ``plan.draw(path)`` pictures it.
+
+    Args:
+        model: the ``nn.Module`` to split; its ``forward`` must be traceable by torch.fx or
+            torch.export (no Python control flow on tensor values).
+        example_input: one batch, as the model is called: a tensor (the only argument) or
+            a tuple of positional arguments; a list is refused (wrap it: ``([a, b],)``).
+            Dim 0 of every tensor is the batch; non-tensor arguments are fixed at these
+            values.
+        devices: one entry per stage, in pipeline order: ``"cuda:1"``, ``1`` (a CUDA
+            index), ``"cpu"`` or a ``torch.device``; repeats are allowed (``["cpu"] * 4``).
+        cost: how each node is priced: ``"roofline"`` estimates its forward and backward
+            seconds from its FLOPs and bytes on a reference device (runs nothing),
+            ``"time"`` profiles it, ``"flops"`` counts analytic FLOPs on fake tensors,
+            ``"params"`` weighs its parameter bytes, ``"auto"`` (default) lets fxpipe pick
+            for the devices; or a callable ``(torch.fx.Node) -> float``.
+        tracer: ``"fx"`` (torch.fx.symbolic_trace), ``"export"`` (torch.export,
+            non-strict; fixes train/eval mode and the non-batch shapes) or ``"auto"``
+            (default: fx, then export where fx fails).
+        example_kwargs: keyword arguments of the example call (``{"mask": m}``).
+        chunks: micro-batches per batch that the memory estimates and the predicted bubble
+            assume (default: 4 x stages, at most the batch size).
+        slack: how far (a fraction: 0.01 = 1%) the bottleneck may grow above the best where
+            that sends fewer bytes between stages; 0 (default) keeps the best bottleneck,
+            with the fewest bytes among the splits that reach it.
+
+    Returns:
+        The frozen :class:`fxpipe.PipelinePlan`.
+
+    Raises:
+        FxPipeError: for every refusal (``TraceError``, ``PlanError``, ``ConfigError``,
+            ``DeviceError``, ``InputError``), naming the value at fault and the remedy.
     """
     compiled = compile_model(
         model,
@@ -97,21 +129,69 @@ def plan(
 def pipeline(
     model: nn.Module,
     example_input: Any,
-    devices: Sequence[Any],
+    devices: Sequence[str | int | torch.device],
     *,
     chunks: int | None = None,
-    checkpoint: str = "except_last",
-    cost: CostArg = "auto",
-    tracer: str = "auto",
+    checkpoint: CheckpointMode = "except_last",
+    cost: CostMode | Callable[[fx.Node], float] = "auto",
+    tracer: TracerName = "auto",
     example_kwargs: Mapping[str, Any] | None = None,
     deferred_batch_norm: bool = False,
-    output_device: Any = None,
+    output_device: str | int | torch.device | None = None,
     slack: float = 0.0,
 ) -> Pipeline:
-    """Compile ``model`` into stages over ``devices`` and return a drop-in ``nn.Module``.
+    """Split ``model`` into stages over ``devices`` and return a drop-in ``nn.Module``.
 
     ``pipe(*args, **kwargs)`` returns what ``model(*args, **kwargs)`` returns, with the same
-    gradients; the model's own Parameters move (in place) to their stage's device.
+    gradients; the model's own Parameters move (in place) to their stage's device, so an
+    optimizer made before keeps working, and ``pipe.state_dict()`` has the model's keys.
+    After an error the model is as it was.
+
+    Args:
+        model: the ``nn.Module`` to split; its ``forward`` must be traceable by torch.fx or
+            torch.export (no Python control flow on tensor values).
+        example_input: one batch, as the model is called: a tensor (the only argument) or
+            a tuple of positional arguments; a list is refused (wrap it: ``([a, b],)``).
+            Dim 0 of every tensor is the batch; non-tensor arguments are fixed at these
+            values.
+        devices: one entry per stage, in pipeline order: ``"cuda:1"``, ``1`` (a CUDA
+            index), ``"cpu"`` or a ``torch.device``; repeats are allowed (``["cpu"] * 4``).
+        chunks: micro-batches per batch (default: 4 x stages, at most the batch size);
+            batches that do not divide evenly, or are smaller, still work.
+        checkpoint: which micro-batches each stage recomputes in backward instead of
+            keeping their activations: ``"always"``, ``"except_last"`` (default: all but
+            the last) or ``"never"``; nothing is checkpointed in eval mode or under
+            ``torch.no_grad()``.
+        cost: how each node is priced: ``"roofline"`` estimates its forward and backward
+            seconds from its FLOPs and bytes on a reference device (runs nothing),
+            ``"time"`` profiles it, ``"flops"`` counts analytic FLOPs on fake tensors,
+            ``"params"`` weighs its parameter bytes, ``"auto"`` (default) lets fxpipe pick
+            for the devices; or a callable ``(torch.fx.Node) -> float``.
+        tracer: ``"fx"`` (torch.fx.symbolic_trace), ``"export"`` (torch.export,
+            non-strict; fixes train/eval mode and the non-batch shapes) or ``"auto"``
+            (default: fx, then export where fx fails).
+        example_kwargs: keyword arguments of the example call (``{"mask": m}``).
+        deferred_batch_norm: BatchNorm in training normalises each micro-batch with its
+            own statistics; ``True`` updates the running statistics once per batch, from
+            the whole batch, as the model alone would (fx-traced models only). Training
+            outputs still use per-micro-batch statistics.
+        output_device: where outputs are gathered (default: the first tensor argument's
+            device).
+        slack: how far (a fraction: 0.01 = 1%) the bottleneck may grow above the best where
+            that sends fewer bytes between stages; 0 (default) keeps the best bottleneck,
+            with the fewest bytes among the splits that reach it.
+
+    Returns:
+        The :class:`fxpipe.Pipeline`; ``pipe.plan`` is its :class:`fxpipe.PipelinePlan`.
+
+    Raises:
+        FxPipeError: for every refusal (``TraceError``, ``PlanError``, ``ConfigError``,
+            ``DeviceError``, ``InputError``), naming the value at fault and the remedy.
+
+    Warns:
+        BatchStatisticsWarning: once per pipeline, at the first training call that splits a
+            batch while BatchNorm layers use batch statistics (outputs then differ from the
+            model's).
     """
     _check_runtime_options(chunks, checkpoint, deferred_batch_norm)
     out_device = None if output_device is None else parse_device(output_device)
@@ -161,32 +241,38 @@ def compile_model(
     targets = normalize_devices(devices, require_present=require_present)
     args = _example_args(example_input)
     batch = _example_batch(inspect.signature(model.forward), args, example_kwargs or {})
-    traced = trace(model, args, example_kwargs, tracer=tracer)
-    with _preserved(model), fake_runnable(model):  # fake runs may write into real buffers
-        _check_outputs_follow_batch(traced, batch)
+    with phase("trace", f"{type(model).__name__} (tracer={tracer!r})"):
+        traced = trace(model, args, example_kwargs, tracer=tracer)
+    with phase("check", "outputs follow the batch"):
+        with _preserved(model), fake_runnable(model):  # fake runs may write into buffers
+            _check_outputs_follow_batch(traced, batch)
     mode_name = _cost_mode(cost, traced.graph_module, targets, model)
-    with fake_runnable(model):
+    micro_batches = chunks or max(1, min(4 * len(targets), batch))
+    nodes = len(traced.graph_module.graph.nodes)
+    with phase("price", f"{nodes} nodes, cost={mode_name!r}"), fake_runnable(model):
         costs = estimate_costs(
             traced.graph_module,
             traced.example_values,
             mode=mode_name,
-            device=targets[0] if mode_name == "time" else None,
+            device=targets[0] if mode_name in ("time", "roofline") else None,
+            micro_batches=micro_batches,
+            progress=pricing_progress(),
         )
-
-    g = to_networkx(traced.graph_module, costs)
-    parts = partition_graph(g, len(targets), slack=slack, traffic=mode)
-    default_chunks = max(1, min(4 * len(targets), batch))
-    the_plan = build_plan(
-        traced.graph_module,
-        costs,
-        g,
-        parts,
-        targets,
-        chunks=chunks or default_chunks,
-        checkpoint=checkpoint,
-        capacity=device_capacity(targets),
-    )
-    program = split_stages(the_plan, traced.output_spec, mode=mode)
+    with phase("partition", f"{len(targets)} stages"):
+        g = to_networkx(traced.graph_module, costs)
+        parts = partition_graph(g, len(targets), slack=slack, traffic=mode)
+    with phase("split", "stage modules"):
+        the_plan = build_plan(
+            traced.graph_module,
+            costs,
+            g,
+            parts,
+            targets,
+            chunks=micro_batches,
+            checkpoint=checkpoint,
+            capacity=device_capacity(targets),
+        )
+        program = split_stages(the_plan, traced.output_spec, mode=mode)
     return Compiled(traced, the_plan, program)
 
 
@@ -228,15 +314,21 @@ def _cost_mode(
                 "(node) -> float; pick one of them"
             )
         return cost
-    on_cpu = all(d.type == "cpu" for d in devices)
-    params_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    small = len(gm.graph.nodes) <= AUTO_TIME_MAX_NODES
-    return "time" if on_cpu and params_cpu and small else "flops"
+    return "roofline"  # analytic: the same plan on every run, rank and machine
 
 
 def _example_args(example_input: Any) -> tuple[Any, ...]:
+    """The example's positional arguments: a tuple as it is, another value as the only one.
+    A list is refused: it reads as several arguments but would reach the model as one."""
     if isinstance(example_input, tuple):
         return example_input
+    if isinstance(example_input, list):
+        raise InputError(
+            f"example_input is {describe_value(example_input)}, which the model would get as "
+            "one argument; pass the tensor itself for a model of one argument, a tuple "
+            "(x, y) for several positional arguments, or ([a, b],) when the model's first "
+            "argument is a list"
+        )
     return (example_input,)
 
 
@@ -273,14 +365,15 @@ def _example_batch(
 def _check_outputs_follow_batch(traced: Traced, batch: int) -> None:
     """Micro-batch outputs are joined along dim 0, so every tensor the model returns must
     grow with the batch (dim 0 in proportion, other dims fixed) and every other value must
-    not depend on it. Checked on fake tensors at the example's batch and one more; a graph
-    that does not run on fake tensors is not checked."""
+    not depend on it. Checked at the example's batch and one more, from the sizes torch.export
+    recorded in terms of the batch where it did, else on fake tensors; a graph that does not
+    run on fake tensors is not checked."""
     gm = traced.graph_module
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     if not any(isinstance(a, fx.Node) for a in output.args[0]):
         return
-    runs = []
-    for size in (batch, batch + 1):
+    runs = _recorded_runs(traced, batch)
+    for size in (batch, batch + 1) if not runs else ():
         runner = _FakeRun(gm)
         try:
             runs.append(runner.outputs(traced.example_values, size))
@@ -326,17 +419,31 @@ def _reads_scalar(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and op_name(node) in _SCALAR_READS
 
 
+def _recorded_runs(traced: Traced, batch: int) -> list[list[Any]]:
+    """The output leaves at ``batch`` and ``batch + 1`` as :class:`_FakeRun` gives them,
+    from the sizes export recorded; empty where it recorded none that tell."""
+    runs = recorded_outputs(traced.graph_module, traced.example_values, batch)
+    return [[_Shape(v) if tensor else v for tensor, v in run] for run in runs or []]
+
+
 class _Shape(tuple[int, ...]):
     """The shape of a tensor leaf (a tuple leaf of the output is a value, not this)."""
 
 
 class _FakeRun(fx.Interpreter):
-    """Runs a graph on fake tensors with another batch size; remembers the node it is at."""
+    """Runs a graph on fake tensors with another batch size; remembers the node it is at.
+    Leaf modules whose output is shaped like their input are not run
+    (:mod:`fxpipe.passes.shape_only`: a fake BatchNorm costs some thirty ops)."""
 
     node: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         self.node = n
+        if n.op == "call_module":
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            out = same_shape_output(self.module.get_submodule(str(n.target)), args, kwargs)
+            if out is not None:
+                return out
         return super().run_node(n)
 
     def outputs(self, values: tuple[Any, ...], batch: int) -> list[Any]:

@@ -4,13 +4,14 @@ writes its pictures, an HTML report and (with ``--run``) the timeline of one tra
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -18,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 import fxpipe
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.factory import build_model, eval_input, parse_devices, parse_shape
+from fxpipe.ir import CheckpointMode, CostMode, TracerName
 
 __all__ = ["main"]
 
@@ -52,7 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fxpipe", description="Plan, inspect and draw a model's pipeline stages."
     )
-    sub = parser.add_subparsers(dest="command")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"fxpipe {fxpipe.__version__} (torch {torch.__version__})",
+        help="print the versions of fxpipe and torch and exit",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "inspect",
         help="plan a model and print its stages",
@@ -83,12 +91,33 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--devices", help="comma-separated, one stage each (default: every GPU, else cpu,cpu)"
     )
-    p.add_argument("--cost", default="auto", choices=["auto", "time", "flops", "params"])
-    p.add_argument("--chunks", type=int, help="micro-batches (default: about 4 x stages)")
     p.add_argument(
-        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
+        "--cost",
+        default="auto",
+        choices=get_args(CostMode),
+        help="how nodes are priced: roofline (seconds estimated from FLOPs and bytes, runs "
+        "nothing), time (profiled forward and backward), flops (analytic FLOPs), params "
+        "(parameter bytes), auto (picked for the devices; the default)",
     )
-    p.add_argument("--tracer", default="auto", choices=["auto", "fx", "export"])
+    p.add_argument(
+        "--chunks",
+        type=int,
+        help="micro-batches per batch (default: 4 x stages, at most the batch size)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="except_last",
+        choices=get_args(CheckpointMode),
+        help="which micro-batches recompute their forward in backward instead of keeping "
+        "activations: always, except_last (the default) or never; used with --run",
+    )
+    p.add_argument(
+        "--tracer",
+        default="auto",
+        choices=get_args(TracerName),
+        help="how the model is captured: fx (torch.fx), export (torch.export) or auto "
+        "(fx, then export; the default)",
+    )
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:
@@ -207,65 +236,71 @@ def _write(outputs: dict[str, Path], args: argparse.Namespace, plan: Any, timeli
 
 @contextmanager
 def _progress(label: str, stream: TextIO) -> Iterator[None]:
-    """On a terminal, keep one status line on ``stream`` (nodes priced, seconds) while the
-    block runs; elsewhere print nothing."""
+    """On a terminal, keep one status line on ``stream`` while the block runs: the planning
+    phase, a bar of the nodes priced, the seconds so far (from the records of the ``fxpipe``
+    logger, :mod:`fxpipe.progress`); elsewhere print nothing."""
     if not stream.isatty():
         yield
         return
-    counter = _NodeCounter()
+    status = _Status()
+    logger = logging.getLogger("fxpipe")
+    level = logger.level
     done = threading.Event()
     start = time.perf_counter()
 
     def tick() -> None:
         while not done.wait(0.25):
-            stream.write(f"\r{label}: {counter.describe()}, {time.perf_counter() - start:.0f} s ")
+            stream.write(f"\r{label}: {status.describe()}, {time.perf_counter() - start:.0f} s ")
             stream.flush()
 
     thread = threading.Thread(target=tick, daemon=True)
-    with counter.attached():
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join()
-            stream.write(f"\r{label}: done in {time.perf_counter() - start:.1f} s\x1b[K\n")
-            stream.flush()
+    logger.addHandler(status)
+    logger.setLevel(logging.DEBUG)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        logger.removeHandler(status)
+        logger.setLevel(level)
+        stream.write(f"\r{label}: done in {time.perf_counter() - start:.1f} s\x1b[K\n")
+        stream.flush()
 
 
-class _NodeCounter:
-    """Counts the nodes the cost model has priced (through its interpreter's ``run_node``)."""
+class _Status(logging.Handler):
+    """The phase fxpipe's logger last reported, and how many nodes pricing has done."""
+
+    #: What the status line says during each phase.
+    WORDS = {
+        "trace": "tracing",
+        "check": "checking the outputs",
+        "price": "pricing",
+        "partition": "searching the stages",
+        "split": "writing the stage modules",
+    }
+    #: Width of the bar, in characters.
+    WIDTH = 20
 
     def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.phase = ""
         self.done = 0
         self.total = 0
 
-    def describe(self) -> str:
-        if not self.total:
-            return "tracing"
-        if self.done < self.total:
-            return f"pricing node {self.done}/{self.total}"
-        return "splitting"
-
-    @contextmanager
-    def attached(self) -> Iterator[None]:
-        from fxpipe.passes import cost_model
-
-        pricer = getattr(cost_model, "_Pricer", None)
-        original = getattr(pricer, "run_node", None)
-        if pricer is None or original is None:  # the cost model changed: show seconds only
-            yield
+    def emit(self, record: logging.LogRecord) -> None:
+        phase = getattr(record, "fxpipe_phase", None)
+        if phase is None:
             return
-        counter = self
+        self.phase = phase
+        if getattr(record, "fxpipe_state", None) == "progress":
+            self.done = int(getattr(record, "done", 0))
+            self.total = int(getattr(record, "total", 0))
 
-        def run_node(interpreter: Any, node: Any) -> Any:
-            counter.total = len(interpreter.module.graph.nodes)
-            result = original(interpreter, node)
-            counter.done += 1
-            return result
-
-        pricer.run_node = run_node
-        try:
-            yield
-        finally:
-            pricer.run_node = original
+    def describe(self) -> str:
+        words = self.WORDS.get(self.phase, "starting")
+        if self.phase != "price" or not self.total:
+            return words
+        filled = self.WIDTH * self.done // self.total
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        return f"{words} [{bar}] {self.done}/{self.total} nodes"

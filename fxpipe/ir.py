@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 from torch.utils._pytree import TreeSpec
@@ -31,7 +31,21 @@ __all__ = [
     "ValueRef",
     "StageProgram",
     "RECOMPUTE",
+    "CheckpointMode",
+    "CostMode",
+    "TracerName",
 ]
+
+#: Which micro-batches a stage checkpoints in training (recomputing their forward in
+#: backward instead of keeping activations): all, all but the last, or none.
+CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
+#: How nodes are priced: "roofline" estimates seconds from FLOPs and bytes on a reference
+#: device, "time" profiles forward and backward, "flops" counts analytic FLOPs on fake
+#: tensors, "params" weighs parameter bytes; "auto" lets fxpipe pick for the devices.
+CostMode: TypeAlias = Literal["auto", "roofline", "time", "flops", "params"]
+#: Which tracer captures the model: "fx" (torch.fx.symbolic_trace), "export"
+#: (torch.export, non-strict), or "auto" (fx, then export when fx fails).
+TracerName: TypeAlias = Literal["auto", "fx", "export"]
 
 #: fx node meta key of a node copy that recomputes an input-derived value beside its
 #: reader (``fxpipe.recompute``); no stage border may separate it from its reader.
@@ -94,6 +108,7 @@ class StagePlan:
 
     @property
     def num_nodes(self) -> int:
+        """How many graph nodes the stage runs."""
         return len(self.nodes)
 
 
@@ -134,10 +149,12 @@ class PipelinePlan:
 
     @property
     def num_stages(self) -> int:
+        """How many stages the plan has (one per entry of ``devices``)."""
         return len(self.stages)
 
     @property
     def total_cost(self) -> float:
+        """Sum of the stage costs, in the unit of ``costs.unit``."""
         return sum(s.cost for s in self.stages)
 
     def summary(self) -> str:

@@ -276,3 +276,193 @@ def test_a_node_that_fails_to_run_is_an_fxpipe_error_naming_it() -> None:
     t = trace(Mismatch(), (x,), {}, tracer="fx")
     with pytest.raises(FxPipeError, match="matmul"):
         estimate_costs(t.graph_module, t.example_values, mode="time")
+
+
+# ------------------------------------------------------------------ pricing never refuses
+
+
+class BufferBatchNorm(nn.Module):
+    """Calls ``F.batch_norm`` directly on its own buffers in training mode, as the
+    pre-activation ResNets of timm do."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, channels, 3, padding=1)
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        y = F.batch_norm(
+            y, self.running_mean, self.running_var, self.weight, self.bias, training=True
+        )
+        return F.relu(y)
+
+
+class TokenRouter(nn.Module):
+    """A mixture-of-experts router that counts the tokens sent to each expert with
+    ``histc`` and turns the counts into integer offsets with ``cumsum``, as the expert
+    layers of Hugging Face MoE decoders do on CPU."""
+
+    def __init__(self, width: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.experts = experts
+        self.gate = nn.Linear(width, experts)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        chosen = logits.argmax(-1)
+        counts = torch.histc(chosen.float(), bins=self.experts, min=0, max=self.experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        load = offsets.float().max() / x.shape[0]
+        return self.proj(x) * logits.softmax(-1).amax(-1, keepdim=True) + load
+
+
+@pytest.mark.parametrize(
+    "model, x",
+    [
+        (BufferBatchNorm(), torch.randn(4, 3, 8, 8)),
+        (TokenRouter(), torch.randn(12, 16)),
+    ],
+    ids=["batch_norm_on_buffers", "histc_cumsum_router"],
+)
+def test_time_prices_nodes_autograd_cannot_differentiate_where_the_profiler_tries(
+    model: nn.Module, x: torch.Tensor
+) -> None:
+    """The profiler used to make every float input require grad: ``running_mean`` of
+    ``F.batch_norm`` and the float counts ``cumsum(..., dtype=int32)`` reads then refused
+    (``StageError``). Every node gets a positive time now; the model's state is untouched."""
+    model.train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    t = trace(model, (x,), tracer="fx")
+    costs = estimate_costs(t.graph_module, t.example_values, mode="time", repeats=1)
+    for node in t.graph_module.graph.nodes:
+        if node.op not in NAMING_OPS:
+            assert costs.nodes[node.name].cost > 0, node.name
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    assert all(p.grad is None for p in model.parameters())
+
+
+class NoBackward(torch.autograd.Function):
+    """Doubles its input; its backward is not implemented."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("no backward")
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return NoBackward.apply(x)  # type: ignore[no-any-return]
+
+
+fx.wrap("_doubled")
+
+
+class Undifferentiable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _doubled(self.fc(x)).relu()
+
+
+def test_time_falls_back_to_forward_only_for_a_node_without_backward() -> None:
+    """A node whose backward raises is timed forward only (3x that time) instead of failing
+    the pricing; the nodes after it are timed as usual."""
+    model, x = Undifferentiable(), torch.randn(256, 16)
+    t = trace(model, (x,), tracer="fx")
+    node = next(n for n in t.graph_module.graph.nodes if n.target is _doubled)
+    costs = estimate_costs(t.graph_module, t.example_values, mode="time", repeats=3)
+    assert costs.nodes[node.name].cost > 0
+    assert costs.nodes["relu"].cost > 0
+
+
+def _cpu_only(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu":
+        raise RuntimeError(f"this kernel runs on cpu only, not on {x.device}")
+    return x.sin()
+
+
+fx.wrap("_cpu_only")
+
+
+class CpuKernel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(_cpu_only(self.fc(x)))
+
+
+def test_time_gives_a_node_that_cannot_run_on_the_profiling_device_its_roofline_cost() -> None:
+    """Profiled on another device (``meta`` here) where one node cannot run: that node
+    costs what the roofline says for that device, and the nodes after it are still timed."""
+    t = trace(CpuKernel(), (torch.randn(8, 16),), tracer="fx")
+    gm, values = t.graph_module, t.example_values
+    meta = torch.device("meta")
+    timed = estimate_costs(gm, values, mode="time", device=meta, repeats=1)
+    analytic = estimate_costs(gm, values, mode="roofline", device=meta)
+    node = next(n for n in gm.graph.nodes if n.target is _cpu_only)
+    assert timed.nodes[node.name].cost == analytic.nodes[node.name].cost > 0
+    assert timed.nodes[node.name].output_bytes == 8 * 16 * 4
+    after = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes[0]
+    assert after in node.users or any(after in u.users for u in node.users)
+    assert timed.nodes[after.name].cost > 0
+
+
+class _ReadsValue(nn.Module):
+    """Reads a tensor's value into Python and computes with it (as XLM's length check does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * x.abs().max().item()
+
+
+def test_flops_falls_back_to_real_values_for_value_dependent_nodes() -> None:
+    # Fake tensors hold no values: the example's real ones price the graph instead.
+    model = _ReadsValue()
+    gm = fx.symbolic_trace(model)
+    x = torch.randn(4, 6)
+    table = estimate_costs(gm, (x,), mode="flops")
+    assert {n.name for n in gm.graph.nodes if n.op != "output"} <= set(table.nodes)
+    assert table.nodes["a"].cost > 0
+
+
+@torch.fx.wrap
+def _clip_sizes(sizes: list[int], limits: list[int]) -> list[int]:
+    """Writes into its list argument, as torchvision's 3-D Swin window sizing does."""
+    for i, limit in enumerate(limits):
+        sizes[i] = min(sizes[i], limit)
+    return sizes
+
+
+class _ListWriter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = _clip_sizes([4, 9], [x.shape[0], x.shape[1]])
+        return self.a(x)[: size[0], : size[1]]
+
+
+@pytest.mark.parametrize("mode", ["flops", "params", "time"])
+def test_a_leaf_function_may_write_into_its_list_argument(mode: str) -> None:
+    model = _ListWriter()
+    x = torch.randn(4, 6)
+    gm = fx.symbolic_trace(model)
+    table = estimate_costs(gm, (x,), mode=mode)
+    assert set(table.nodes) >= {n.name for n in gm.graph.nodes if n.op != "output"}

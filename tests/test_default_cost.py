@@ -1,0 +1,71 @@
+"""Every rank gets the same default plan: fresh processes with other hash seeds, other
+torch thread counts and a competing load all make the plan this process makes."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fxpipe
+
+#: A CNN traced by fx, a language model traced by torch.export.
+MODELS = ("resnet", "llama")
+TESTS = Path(__file__).resolve().parent
+
+
+def plan_hashes() -> dict[str, str]:
+    """``model`` -> a hash of the default plan's stage of every node and its node costs."""
+    from models import ZOO
+
+    out = {}
+    for name in MODELS:
+        case = ZOO[name]
+        args, kwargs = case.example(case.batch)
+        plan = fxpipe.plan(case.build(), args, ["cpu"] * 3, example_kwargs=kwargs)
+        assert plan.costs.mode == "roofline"
+        text = repr((sorted(plan.stage_of.items()), sorted(plan.node_cost.items())))
+        out[name] = hashlib.sha256(text.encode()).hexdigest()
+    return out
+
+
+_SCRIPT = f"""
+import json, sys, torch
+sys.path.insert(0, {str(TESTS)!r})
+torch.set_num_threads(int(sys.argv[1]))
+from test_default_cost import plan_hashes
+print(json.dumps(plan_hashes()))
+"""
+
+
+@functools.cache
+def _here() -> dict[str, str]:
+    return plan_hashes()
+
+
+def test_the_default_plan_is_the_same_in_fresh_processes_under_load() -> None:
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _SCRIPT, str(threads)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=dict(os.environ, PYTHONHASHSEED=seed),
+            )
+            for seed, threads in (("1", 1), ("2", 2))
+        ]
+        results = []
+        for run in runs:
+            out, err = run.communicate(timeout=600)
+            assert run.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert results == [_here(), _here()]
