@@ -14,8 +14,9 @@ stages, and Llama-7B's shape on ``meta`` (batch 8 of 1,024 tokens) on four ``met
 
 1. Build time of ``fxpipe.pipeline`` per cost mode (``fxpipe.plan`` for the meta model)
    against one eager training step of the same batch (forward, backward of the mean
-   square of the outputs) and against ``torch.export`` of the same model alone, measured
-   side by side in this process (each build's own export is not shared with it).
+   square of the outputs) and against ``torch.export`` of the same model alone: after one
+   untimed build, 3 rounds (1 for "time") of an export and a build back to back, then as
+   many eager steps; each ratio is the median of the per-round ratios.
 2. Distinct plans (the stage of every node) over ``--repeats`` builds of each mode while
    two background processes spin both cores.
 3. Stage-time prediction: for each mode's pipeline (the default micro-batches,
@@ -278,27 +279,33 @@ def modes_for(device: str) -> list[str]:
 
 
 def build_rows(name: str) -> list[dict[str, Any]]:
-    """Section 1: build time per mode against one eager step and one torch.export."""
+    """Section 1: build time per mode against one eager step and one torch.export, in
+    rounds that time an export and a build back to back (after one untimed build of each
+    mode: what a process pays once, importing and warming torch's fake tensors, is left
+    out of both); each ratio is the median of its rounds' ratios."""
     build, device = MODELS[name]
     model, x = build()
-    step = None if device == "meta" else _eager_step(model, x)
-    exports = [_export_seconds(model, x)]
+    _export_seconds(model, x)
     rows = []
     for mode in modes_for(device):
-        repeats = 1 if mode == "time" or device == "meta" else 3
-        seconds = [_build(model, x, device, mode)[1] for _ in range(repeats)]
-        exports.append(_export_seconds(model, x))  # interleaved: same machine state
-        built = statistics.median(seconds)
-        export = statistics.median(exports)
+        _build(model, x, device, mode)
+        rounds = 1 if mode == "time" else 3
+        pairs = [(_export_seconds(model, x), _build(model, x, device, mode)[1])]
+        for _ in range(rounds - 1):
+            pairs.append((_export_seconds(model, x), _build(model, x, device, mode)[1]))
+        steps = [] if device == "meta" else [_eager_step(model, x) for _ in range(rounds)]
+        built = statistics.median(b for _, b in pairs)
         rows.append(
             {
                 "model": name,
                 "mode": mode,
                 "build_s": built,
-                "eager_step_s": step,
-                "export_s": export,
-                "build_over_step": None if step is None else built / step,
-                "build_over_export": built / export,
+                "eager_step_s": statistics.median(steps) if steps else None,
+                "export_s": statistics.median(e for e, _ in pairs),
+                "build_over_step": statistics.median(b / s for (_, b), s in zip(pairs, steps))
+                if steps
+                else None,
+                "build_over_export": statistics.median(b / e for e, b in pairs),
             }
         )
         print(f"build: {name} {mode}: {built:.2f} s", flush=True)
