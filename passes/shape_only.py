@@ -39,7 +39,8 @@ def same_shape_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     """An empty tensor like the module's output (in the active fake mode, when called in
     one), or None unless ``module`` is one of :data:`SAME_SHAPE_MODULES` itself (not a
     subclass, which may compute something else) called out of place on one floating-point
-    tensor."""
+    tensor, and would not raise (a training BatchNorm given one value per channel does:
+    it is run, so that the error is the module's own)."""
     torch_class = type(module).__module__.startswith("torch.nn.modules")
     if not (torch_class and isinstance(module, SAME_SHAPE_MODULES)):
         return None
@@ -48,6 +49,9 @@ def same_shape_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     x = args[0]
     if getattr(module, "inplace", False) or not x.is_floating_point():
         return None
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+        if x.ndim < 2 or x.numel() <= x.shape[1]:  # one value per channel: it raises
+            return None
     grad = x.requires_grad or any(p.requires_grad for p in module.parameters())
     if not (grad and torch.is_grad_enabled()):
         return torch.empty_like(x)
