@@ -63,8 +63,8 @@ from torch import nn
 
 import fxpipe
 from fxpipe.passes.plan import PARAM_COPIES
-from fxpipe.report import gpipe_prediction
 from fxpipe.runtime.stream import current_stream, new_stream, use_stream, wait_stream
+from fxpipe.views.report import gpipe_prediction
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu.json"

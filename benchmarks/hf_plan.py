@@ -35,7 +35,7 @@ from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.units import build_units
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 BATCH, TOKENS = 8, 1024
 SLACKS = (0.0, 0.01, 0.05)

@@ -66,7 +66,7 @@ from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
 from fxpipe.passes.nx_graph import readers, to_networkx
 from fxpipe.passes.partition import Partition, node_stages, partition_graph
 from fxpipe.passes.units import Units, build_units
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from models import ZOO, TinyGPT, TinyLlama, _gen  # noqa: E402

@@ -13,7 +13,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._pytree import tree_flatten_with_path, tree_map
 
-from fxpipe.binding import argument_name, describe_value
 from fxpipe.devices import device_capacity, normalize_devices, parse_device
 from fxpipe.errors import ConfigError, DeviceError, InputError, PlanError
 from fxpipe.ir import CheckpointMode, CostMode, PipelinePlan, StageProgram, TracerName
@@ -27,7 +26,8 @@ from fxpipe.passes.shape_only import same_shape_output
 from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
 from fxpipe.progress import phase, pricing_progress
-from fxpipe.tracing import Traced, _preserved, fake_runnable, trace
+from fxpipe.trace.binding import argument_name, describe_value
+from fxpipe.trace.tracing import Traced, _preserved, fake_runnable, trace
 
 __all__ = ["plan", "pipeline", "compile_model", "Compiled"]
 

@@ -48,7 +48,7 @@ CostMode: TypeAlias = Literal["auto", "roofline", "time", "flops", "params"]
 TracerName: TypeAlias = Literal["auto", "fx", "export"]
 
 #: fx node meta key of a node copy that recomputes an input-derived value beside its
-#: reader (``fxpipe.recompute``); no stage border may separate it from its reader.
+#: reader (``fxpipe.trace.recompute``); no stage border may separate it from its reader.
 RECOMPUTE = "fxpipe_recompute"
 
 
@@ -159,13 +159,13 @@ class PipelinePlan:
 
     def summary(self) -> str:
         """A table a person reads: one row per stage, totals and predictions below."""
-        from fxpipe.report import plan_summary
+        from fxpipe.views.report import plan_summary
 
         return plan_summary(self)
 
     def to_dot(self, level: str = "stage") -> str:
         """Graphviz text of the stages ("stage") or of every node clustered by stage ("node")."""
-        from fxpipe.report import plan_to_dot
+        from fxpipe.views.report import plan_to_dot
 
         return plan_to_dot(self, level=level)
 
@@ -179,7 +179,7 @@ class PipelinePlan:
         ``kind="balance"``: stage cost against the lower bound and memory against capacity,
         as .png/.svg/.pdf through matplotlib (the ``viz`` extra).
         """
-        from fxpipe.viz import draw_plan
+        from fxpipe.views.viz import draw_plan
 
         return draw_plan(self, path, kind=kind, level=level)
 

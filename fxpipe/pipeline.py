@@ -14,15 +14,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.batch_checks import BatchStatistics, check_micro_batches
 from fxpipe.devices import same_device
 from fxpipe.errors import ConfigError, DeviceError, InputError
 from fxpipe.ir import CheckpointMode, PipelinePlan, StageProgram, ValueRef
-from fxpipe.report import stage_span
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.executor import Executor
 from fxpipe.runtime.microbatch import gather, scatter
-from fxpipe.tracing import Traced
+from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
+from fxpipe.trace.tracing import Traced
+from fxpipe.views.report import stage_span
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES"]
 

@@ -21,7 +21,7 @@ __all__ = [
     "stateful_regions",
 ]
 
-#: ``node.meta`` keys set by a run on fake tensors (``fxpipe.aliasing``): the position in
+#: ``node.meta`` keys set by a run on fake tensors (``fxpipe.trace.aliasing``): the position in
 #: ``node.all_input_nodes`` of an input the node's output shares memory with, and of an
 #: input the node writes into.
 ALIASES = "fxpipe_aliases"

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe import cli
-from fxpipe.factory import load_factory, parse_shape
 from fxpipe.ir import CheckpointMode, CostMode, TracerName
+from fxpipe.views import cli
+from fxpipe.views.factory import load_factory, parse_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = "examples/factories.py:unet"

@@ -26,7 +26,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fxpipe
-from fxpipe import cli
 from fxpipe.api import compile_model
 from fxpipe.errors import (
     ConfigError,
@@ -37,6 +36,7 @@ from fxpipe.errors import (
     StageRunError,
     TraceError,
 )
+from fxpipe.views import cli
 
 CPU2 = ["cpu", "cpu"]
 CUDA_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -14,9 +14,9 @@ import torch
 from models import ZOO
 
 import fxpipe
-from fxpipe import viz
 from fxpipe.errors import ConfigError
-from fxpipe.html_report import render_report, write_report
+from fxpipe.views import viz
+from fxpipe.views.html_report import render_report, write_report
 
 pytest.importorskip("matplotlib")
 

@@ -22,7 +22,7 @@ RUN_EVERY_PASS = textwrap.dedent(
     import sys
     import torch
     from torch import nn
-    from fxpipe.tracing import trace
+    from fxpipe.trace.tracing import trace
     from fxpipe.passes.cost_model import estimate_costs
     from fxpipe.passes.nx_graph import to_networkx
     from fxpipe.passes.units import build_units

@@ -496,7 +496,7 @@ def test_option_annotations_are_the_choices_the_runtime_accepts(
 ) -> None:
     from fxpipe.passes.cost_model import COST_MODES
     from fxpipe.runtime.executor import CHECKPOINT_MODES
-    from fxpipe.tracing import TRACERS
+    from fxpipe.trace.tracing import TRACERS
 
     hints = get_type_hints(function)
     assert _literal_choices(hints["tracer"]) == set(TRACERS)

@@ -9,7 +9,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.ir import RECOMPUTE
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T, D = 12, 8

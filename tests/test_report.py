@@ -13,10 +13,10 @@ from models import ZOO
 from torch import nn
 
 import fxpipe
-from fxpipe import viz
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.ir import PipelinePlan
-from fxpipe.report import (
+from fxpipe.views import viz
+from fxpipe.views.report import (
     PATH_WIDTH,
     boundary_in,
     boundary_out,

@@ -14,8 +14,8 @@ from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.units import build_units
-from fxpipe.shapes import is_shape_query, replicate_shape_queries
-from fxpipe.tracing import trace
+from fxpipe.trace.shapes import is_shape_query, replicate_shape_queries
+from fxpipe.trace.tracing import trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +66,7 @@ def test_export_batch_size_no_longer_makes_one_unit_of_the_network() -> None:
     _, units = _units("llama")
     # torch.export reads the batch size once; before, every view shared it and 140 of
     # the graph's 221 nodes made one unit (now the largest is an attention kernel with the
-    # mask it recomputes, fxpipe.recompute)
+    # mask it recomputes, fxpipe.trace.recompute)
     assert max(len(m) for m in units.members) <= 20  # type: ignore[attr-defined]
     assert units.num_units > 100  # type: ignore[attr-defined]
 

@@ -13,7 +13,7 @@ from models import ZOO
 import fxpipe
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.recording import Recorder
-from fxpipe.timeline import TaskRecord, Timeline
+from fxpipe.views.timeline import TaskRecord, Timeline
 
 K, CHUNKS, BATCH = 3, 4, 8
 
@@ -152,7 +152,7 @@ def test_summary_and_measurements() -> None:
     assert tl.device_idle() < tl.bubble()
     assert f"measured bubble:  {100 * tl.bubble():.1f}%" in text
     assert tl.predicted_bubble() == pytest.approx(
-        fxpipe.report.gpipe_prediction(tl.plan, CHUNKS)[0]
+        fxpipe.views.report.gpipe_prediction(tl.plan, CHUNKS)[0]
     )
 
 
@@ -220,7 +220,7 @@ def test_stages_sharing_one_device_idle_most_of_the_run_and_the_title_says_so() 
         f"busy 100% of it; GPipe predicts {predicted}% with one device per stage"
     )
     pytest.importorskip("matplotlib")
-    from fxpipe.viz import timeline_figure
+    from fxpipe.views.viz import timeline_figure
 
     title = timeline_figure(tl).axes[0].get_title()
     assert title == (
@@ -247,7 +247,7 @@ def test_one_device_per_stage_has_one_idle_measure() -> None:
 def _labels(tl: Timeline) -> list[tuple[str, float, float, float]]:
     """Each micro-batch number the chart writes: text, x (ms), y (row + offset), font size."""
     pytest.importorskip("matplotlib")
-    from fxpipe.viz import timeline_figure
+    from fxpipe.views.viz import timeline_figure
 
     ax = timeline_figure(tl).axes[0]
     return sorted((t.get_text(), *t.get_position(), t.get_fontsize()) for t in ax.texts)

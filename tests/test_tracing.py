@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import ConfigError, FxPipeError, InputError, TraceError
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())
 FX_CASES = cases(tracer="fx")

@@ -14,10 +14,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_unflatten
 
-from fxpipe.binding import InputBinder
 from fxpipe.distributed.ownership import Ownership, merge_state_dicts
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.trace.binding import InputBinder
 
 __all__ = ["DistributedPipeline", "SPLIT_BACKWARD"]
 

@@ -16,7 +16,7 @@ from torch import nn
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.ir import CostTable, NodeCost
 from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())
 NAMING_OPS = ("placeholder", "output", "get_attr")

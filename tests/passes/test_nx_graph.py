@@ -18,7 +18,7 @@ from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.nx_graph import readers, replicated_attrs, to_networkx
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.units import build_units
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.passes.ops import state_change, stateful_regions
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

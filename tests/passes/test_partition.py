@@ -36,7 +36,7 @@ from fxpipe.passes.partition import (
     partition_graph,
 )
 from fxpipe.passes.units import build_units
-from fxpipe.tracing import trace
+from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())
 INF = float("inf")

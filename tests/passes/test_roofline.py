@@ -20,7 +20,7 @@ from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.recorded import recorded_outputs, recorded_shapes
 from fxpipe.passes.roofline import ROOFLINES, Roofline, Work
 from fxpipe.passes.shape_only import same_shape_output
-from fxpipe.tracing import Traced, trace
+from fxpipe.trace.tracing import Traced, trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

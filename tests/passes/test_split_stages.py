@@ -17,7 +17,7 @@ from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.split_stages import run_stages, split_stages
-from fxpipe.tracing import Traced, trace
+from fxpipe.trace.tracing import Traced, trace
 
 ALL = list(ZOO.values())
 MODES = ["direct", "relay"]

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fxpipe.errors import ConfigError
-from fxpipe.report import format_cost, gpipe_prediction
 from fxpipe.runtime.recording import PHASES, Recorder, Span
+from fxpipe.views.report import format_cost, gpipe_prediction
 
 if TYPE_CHECKING:
     from fxpipe.ir import PipelinePlan
@@ -254,7 +254,7 @@ class Timeline:
         time in grey. ``title`` replaces the first line of the chart's title; the second
         line, what the idle time is a share of, is always :meth:`headline`.
         """
-        from fxpipe.viz import CHART_FORMATS, output_path, save_figure, timeline_figure
+        from fxpipe.views.viz import CHART_FORMATS, output_path, save_figure, timeline_figure
 
         target, _ = output_path(path, CHART_FORMATS)
         save_figure(timeline_figure(self, title=title), target)
@@ -262,7 +262,7 @@ class Timeline:
 
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Write the tasks as Chrome trace JSON (chrome://tracing, ui.perfetto.dev)."""
-        from fxpipe.viz import output_path
+        from fxpipe.views.viz import output_path
 
         target, _ = output_path(path, ("json",))
         events = [

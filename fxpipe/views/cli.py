@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 import fxpipe
 from fxpipe.errors import ConfigError, FxPipeError
-from fxpipe.factory import build_model, eval_input, parse_devices, parse_shape
 from fxpipe.ir import CheckpointMode, CostMode, TracerName
+from fxpipe.views.factory import build_model, eval_input, parse_devices, parse_shape
 
 __all__ = ["main"]
 
@@ -165,7 +165,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _checked_outputs(args: argparse.Namespace) -> dict[str, Path]:
     """Every output path asked for, checked before any work (suffix, folder)."""
-    from fxpipe.viz import output_path
+    from fxpipe.views.viz import output_path
 
     checked = {}
     for name, formats in _OUTPUTS.items():
@@ -217,7 +217,7 @@ def _train_step(pipe: fxpipe.Pipeline, example: Any, kwargs: dict[str, Any]) -> 
 
 
 def _write(outputs: dict[str, Path], args: argparse.Namespace, plan: Any, timeline: Any) -> None:
-    from fxpipe.html_report import write_report
+    from fxpipe.views.html_report import write_report
 
     writers: dict[str, Callable[[Path], Any]] = {
         "dot": lambda p: p.write_text(plan.to_dot(level=args.level)),

@@ -16,7 +16,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxpipe.private_chains import copy_per_reader
+from fxpipe.trace.private_chains import copy_per_reader
 
 __all__ = ["replicate_shape_queries", "is_shape_query"]
 

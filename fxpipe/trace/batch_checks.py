@@ -18,8 +18,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import BatchStatisticsWarning, PlanError
-from fxpipe.report import module_path
-from fxpipe.tracing import Traced, _preserved
+from fxpipe.trace.tracing import Traced, _preserved
+from fxpipe.views.report import module_path
 
 __all__ = ["BatchStatistics", "check_micro_batches"]
 

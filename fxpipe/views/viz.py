@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from fxpipe.devices import device_capacity
 from fxpipe.errors import ConfigError, FxPipeError
-from fxpipe.report import format_bytes, format_cost, plan_to_dot, stage_span
+from fxpipe.views.report import format_bytes, format_cost, plan_to_dot, stage_span
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
     from fxpipe.ir import PipelinePlan
-    from fxpipe.timeline import Timeline
+    from fxpipe.views.timeline import Timeline
 
 __all__ = [
     "MissingDependencyError",

@@ -24,7 +24,7 @@ from torch import nn
 
 from fxpipe.ir import RECOMPUTE
 from fxpipe.passes.ops import mutated_input
-from fxpipe.private_chains import copy_per_reader
+from fxpipe.trace.private_chains import copy_per_reader
 
 __all__ = ["recompute_input_values", "RECOMPUTE", "MAX_CHAIN"]
 

@@ -4,9 +4,9 @@ The result is normalised so that every later pass sees the same shape of graph: 
 placeholder per model input value, parameters reached through ``get_attr`` or leaf
 ``call_module`` nodes that hold the user's own Parameter objects, and an output node that
 returns a flat tuple (the model's output structure is kept as a pytree spec beside it),
-every shape query read in several places copied per reader (:mod:`fxpipe.shapes`), and
+every shape query read in several places copied per reader (:mod:`fxpipe.trace.shapes`), and
 every value made only from inputs and buffers and read by several nodes recomputed beside
-each reader (:mod:`fxpipe.recompute`).
+each reader (:mod:`fxpipe.trace.recompute`).
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
-from fxpipe.aliasing import mark_aliasing
-from fxpipe.autograd_functions import (
+from fxpipe.errors import ConfigError, TraceError
+from fxpipe.passes.cost_model import output_sizes
+from fxpipe.trace.aliasing import mark_aliasing
+from fxpipe.trace.autograd_functions import (
     FunctionCall,
     backward_is_derivative,
     describe_function,
     functions_kept_whole,
     functions_recorded,
 )
-from fxpipe.binding import InputBinder, bind_arguments, given_arguments, leaf_positions
-from fxpipe.errors import ConfigError, TraceError
-from fxpipe.passes.cost_model import output_sizes
-from fxpipe.recompute import recompute_input_values
-from fxpipe.shapes import replicate_shape_queries
-from fxpipe.trace_errors import trace_error
+from fxpipe.trace.binding import InputBinder, bind_arguments, given_arguments, leaf_positions
+from fxpipe.trace.recompute import recompute_input_values
+from fxpipe.trace.shapes import replicate_shape_queries
+from fxpipe.trace.trace_errors import trace_error
 
 __all__ = ["Traced", "trace", "TRACERS"]
 
@@ -269,7 +269,7 @@ def _reattach_grad_constants(gm: fx.GraphModule, constants: Mapping[str, Any]) -
 
 
 def _recompute_shared_inputs(gm: fx.GraphModule, values: Sequence[Any]) -> None:
-    """Recompute shared input-derived values beside their readers (:mod:`fxpipe.recompute`),
+    """Recompute shared input-derived values beside their readers (:mod:`fxpipe.trace.recompute`),
     sized from the shapes torch.export recorded or by one run on fake tensors; left as
     they are when that run fails (the pricing that follows reports the failing node)."""
     recompute_input_values(gm, lambda: output_sizes(gm, values))

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fxpipe.errors import FxPipeError
-from fxpipe.report import boundary_in, boundary_out, format_bytes, format_cost, stage_span
+from fxpipe.views.report import boundary_in, boundary_out, format_bytes, format_cost, stage_span
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from fxpipe.ir import PipelinePlan, StagePlan
-    from fxpipe.timeline import Timeline
+    from fxpipe.views.timeline import Timeline
 
 __all__ = ["write_report", "render_report"]
 
@@ -45,7 +45,7 @@ def write_report(
     title: str = "fxpipe plan",
 ) -> Path:
     """Write the report to ``path`` (its folder must exist); returns the path."""
-    from fxpipe.viz import output_path
+    from fxpipe.views.viz import output_path
 
     target, _ = output_path(path, ("html", "htm"))
     target.write_text(render_report(plan, timeline=timeline, title=title), encoding="utf-8")
@@ -159,7 +159,7 @@ def _edge_table(plan: PipelinePlan) -> str:
 
 
 def _graph(plan: PipelinePlan) -> str:
-    from fxpipe.viz import MissingDependencyError, render_dot
+    from fxpipe.views.viz import MissingDependencyError, render_dot
 
     dot = plan.to_dot()
     try:
@@ -178,7 +178,7 @@ def _graph(plan: PipelinePlan) -> str:
 
 
 def _png(fig: Figure, alt: str) -> str:
-    from fxpipe.viz import figure_bytes
+    from fxpipe.views.viz import figure_bytes
 
     data = base64.b64encode(figure_bytes(fig, "png")).decode("ascii")
     img = f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
@@ -186,7 +186,7 @@ def _png(fig: Figure, alt: str) -> str:
 
 
 def _balance(plan: PipelinePlan) -> str:
-    from fxpipe.viz import balance_figure
+    from fxpipe.views.viz import balance_figure
 
     try:
         return _png(balance_figure(plan), "stage cost and memory per stage")
@@ -195,7 +195,7 @@ def _balance(plan: PipelinePlan) -> str:
 
 
 def _timeline(timeline: Timeline) -> str:
-    from fxpipe.viz import timeline_figure
+    from fxpipe.views.viz import timeline_figure
 
     text = f"<pre>{html.escape(timeline.summary())}</pre>"
     try:
