@@ -64,7 +64,6 @@ from torch import nn
 import fxpipe
 from fxpipe.passes.plan import PARAM_COPIES
 from fxpipe.runtime.stream import current_stream, new_stream, use_stream, wait_stream
-from fxpipe.views.report import gpipe_prediction
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu.json"
@@ -489,7 +488,7 @@ def stage_prediction(run: Run, sizes: Sizes, rec: dict[str, Any]) -> None:
             flush=True,
         )
     rec["rows"] = rows
-    rec["predicted_speedup"] = gpipe_prediction(plan, CHUNKS)[1]
+    rec["predicted_speedup"] = plan.gpipe_prediction(CHUNKS)[1]
     total, worst = sum(measured), max(measured)
     rec["measured_speedup"] = total / (total / CHUNKS + (CHUNKS - 1) * worst / CHUNKS)
     rec["same_bottleneck"] = predicted.index(max(predicted)) == measured.index(worst)

@@ -61,7 +61,7 @@ from torch import nn
 
 from fxpipe.errors import PlanError
 from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.dp import min_max_split, stage_costs
+from fxpipe.passes.dp import min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
 from fxpipe.passes.nx_graph import readers, to_networkx
 from fxpipe.passes.partition import Partition, node_stages, partition_graph
@@ -69,6 +69,7 @@ from fxpipe.passes.units import Units, build_units
 from fxpipe.trace.tracing import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import stage_costs  # noqa: E402
 from models import ZOO, TinyGPT, TinyLlama, _gen  # noqa: E402
 
 STAGES = (2, 4, 8)

@@ -24,15 +24,27 @@ How a model becomes a pipeline, one direction of flow (the folders, in order):
 
 The glue sits at the top: ``api`` (``fxpipe.plan``, ``fxpipe.pipeline``), ``pipeline``
 (``fxpipe.Pipeline``, the ``nn.Module`` with the model's outputs, gradients, parameters and
-``state_dict`` keys), ``ir`` (the frozen records between the steps), ``errors``,
-``devices`` and ``progress``.
+``state_dict`` keys), ``ir`` (the frozen records between the steps), ``materialise``
+(a model built on ``meta``, made straight on its stages' devices), ``loading``
+(``fxpipe.load_checkpoint``, a checkpoint streamed into the stages shard by shard),
+``errors``, ``devices`` and ``progress``.
 """
 
 from fxpipe.api import pipeline, plan
 from fxpipe.errors import FxPipeError
 from fxpipe.ir import PipelinePlan
+from fxpipe.loading import load_checkpoint
 from fxpipe.pipeline import Pipeline
 from fxpipe.views.timeline import Timeline, record
 
-__all__ = ["pipeline", "plan", "record", "Pipeline", "PipelinePlan", "Timeline", "FxPipeError"]
+__all__ = [
+    "pipeline",
+    "plan",
+    "record",
+    "load_checkpoint",
+    "Pipeline",
+    "PipelinePlan",
+    "Timeline",
+    "FxPipeError",
+]
 __version__ = "0.1.0"

@@ -92,10 +92,12 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def device_capacity(devices: Sequence[torch.device]) -> list[int | None]:
-    """Bytes of memory of each device (``None`` when unknown, e.g. ``meta``)."""
+    """Bytes of memory of each device (``None`` when unknown, e.g. ``meta``, or a GPU this
+    machine does not have)."""
     out: list[int | None] = []
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for d in devices:
-        if d.type == "cuda" and torch.cuda.is_available():
+        if d.type == "cuda" and (d.index or 0) < count:
             out.append(int(torch.cuda.get_device_properties(d).total_memory))
         elif d.type == "cpu":
             out.append(_physical_memory())

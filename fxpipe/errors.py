@@ -12,6 +12,8 @@ __all__ = [
     "MemoryPlanError",
     "StageError",
     "StageRunError",
+    "CheckpointError",
+    "UninitialisedError",
     "FxPipeWarning",
     "BatchStatisticsWarning",
 ]
@@ -55,6 +57,16 @@ class StageRunError(StageError):
     The message says which stage, which micro-batch and which rows of the caller's batch;
     the stage's own exception is the ``__cause__``.
     """
+
+
+class CheckpointError(FxPipeError, ValueError):
+    """A checkpoint cannot be loaded into the pipeline as it is: a path that does not exist,
+    a shard its index names that is missing, keys or shapes that differ from the model's."""
+
+
+class UninitialisedError(FxPipeError, ValueError):
+    """A pipeline built on ``meta`` was called while some of its parameters or buffers had
+    not been loaded (or initialised in place) since they were made on their stage's device."""
 
 
 class FxPipeWarning(UserWarning):

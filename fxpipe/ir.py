@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args
 
 import torch
 from torch.utils._pytree import TreeSpec
@@ -33,7 +33,14 @@ __all__ = [
     "RECOMPUTE",
     "CheckpointMode",
     "CostMode",
+    "PricingMode",
     "TracerName",
+    "Traffic",
+    "CHECKPOINT_MODES",
+    "COST_MODES",
+    "PRICING_MODES",
+    "TRACERS",
+    "TRAFFIC",
 ]
 
 #: Which micro-batches a stage checkpoints in training (recomputing their forward in
@@ -42,10 +49,21 @@ CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
 #: How nodes are priced: "roofline" estimates seconds from FLOPs and bytes on a reference
 #: device, "time" profiles forward and backward, "flops" counts analytic FLOPs on fake
 #: tensors, "params" weighs parameter bytes; "auto" lets fxpipe pick for the devices.
-CostMode: TypeAlias = Literal["auto", "roofline", "time", "flops", "params"]
+PricingMode: TypeAlias = Literal["roofline", "time", "flops", "params"]
+CostMode: TypeAlias = Literal["auto", PricingMode]
 #: Which tracer captures the model: "fx" (torch.fx.symbolic_trace), "export"
 #: (torch.export, non-strict), or "auto" (fx, then export when fx fails).
 TracerName: TypeAlias = Literal["auto", "fx", "export"]
+#: How boundary values travel: "direct" from the producer to every stage that reads them,
+#: "relay" through every stage in between (for engines that only connect neighbours).
+Traffic: TypeAlias = Literal["direct", "relay"]
+
+#: The choices of each option, in one place (``fxpipe.options`` checks against them).
+CHECKPOINT_MODES: tuple[CheckpointMode, ...] = get_args(CheckpointMode)
+COST_MODES: tuple[CostMode, ...] = get_args(CostMode)
+PRICING_MODES: tuple[PricingMode, ...] = get_args(PricingMode)
+TRACERS: tuple[TracerName, ...] = get_args(TracerName)
+TRAFFIC: tuple[Traffic, ...] = get_args(Traffic)
 
 #: fx node meta key of a node copy that recomputes an input-derived value beside its
 #: reader (``fxpipe.trace.recompute``); no stage border may separate it from its reader.
@@ -93,7 +111,8 @@ class StagePlan:
     device: torch.device
     #: Node names in the stage, in the graph's order.
     nodes: tuple[str, ...]
-    #: Sum of the node costs.
+    #: Sum of the node costs divided by the speed of the stage's device (``speed=``;
+    #: 1 by default): the stage's time on its own device, in the unit of the costs.
     cost: float
     #: Bytes of the parameters the stage holds.
     param_bytes: int
@@ -136,16 +155,23 @@ class PipelinePlan:
     node_cost: Mapping[str, float]
     stages: tuple[StagePlan, ...]
     edges: tuple[BoundaryEdge, ...]
-    #: Largest stage cost.
+    #: Largest stage cost (a time, when the devices have speeds).
     bottleneck: float
-    #: max(total / K, largest node): no split can beat it.
+    #: max(total / K, largest node): no split can beat it (with speeds: the total over
+    #: the summed speeds, and the largest node on the fastest device).
     lower_bound: float
     #: The cost table the plan was made from.
     costs: CostTable
     #: Micro-batches the memory estimates assume.
     chunks: int = 1
+    #: Bytes of memory of each entry of ``devices`` the plan was made for (None: unknown,
+    #: not checked); kept so that the plan reads the same on every machine.
+    capacities: tuple[int | None, ...] = ()
     #: Free-form facts about how the plan was found (search time, order used, ...).
     info: Mapping[str, Any] = field(default_factory=dict)
+    #: Relative speed of each entry of ``devices`` the plan was made for (empty: all 1);
+    #: each stage's cost is its nodes' cost divided by its device's speed.
+    speeds: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -156,6 +182,19 @@ class PipelinePlan:
     def total_cost(self) -> float:
         """Sum of the stage costs, in the unit of ``costs.unit``."""
         return sum(s.cost for s in self.stages)
+
+    def gpipe_prediction(self, chunks: int) -> tuple[float, float]:
+        """(bubble fraction, predicted speedup over one device) for ``chunks`` micro-batches,
+        from the GPipe makespan sum(c_j)/M + (M - 1) max(c_j)/M, no communication term."""
+        m = max(chunks, 1)
+        costs = [s.cost for s in self.stages]
+        total = sum(costs)
+        if total <= 0:
+            return 0.0, 1.0
+        makespan = total / m + (m - 1) * max(costs) / m
+        busy = total / len(costs)
+        bubble = 1.0 - busy / makespan
+        return bubble, total / makespan
 
     def summary(self) -> str:
         """A table a person reads: one row per stage, totals and predictions below."""
@@ -214,9 +253,8 @@ class StageProgram:
     graph_inputs: tuple[str, ...]
     output_leaves: tuple[Any, ...]
     output_spec: TreeSpec
-    #: "direct": a value goes from its producer to every consumer stage;
-    #: "relay": it passes through every stage in between (for chain-only engines).
-    mode: str = "direct"
+    #: How boundary values travel between the stages (see :data:`Traffic`).
+    traffic: Traffic = "direct"
 
     @property
     def num_stages(self) -> int:

@@ -8,7 +8,8 @@ the model's keys. The stage GraphModules reference the same objects.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, get_args
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,17 +17,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.devices import same_device
 from fxpipe.errors import ConfigError, DeviceError, InputError
-from fxpipe.ir import CheckpointMode, PipelinePlan, StageProgram, ValueRef
+from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.materialise import Materialised
+from fxpipe.options import RunOptions
+from fxpipe.passes.plan import stage_span
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.executor import Executor
 from fxpipe.runtime.microbatch import gather, scatter
+from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 from fxpipe.trace.tracing import Traced
-from fxpipe.views.report import stage_span
 
-__all__ = ["Pipeline", "CHECKPOINT_MODES"]
-
-CHECKPOINT_MODES: tuple[CheckpointMode, ...] = get_args(CheckpointMode)
+__all__ = ["Pipeline"]
 
 
 class Pipeline(nn.Module):
@@ -36,7 +38,8 @@ class Pipeline(nn.Module):
     returns, with the same gradients; ``parameters()``, ``state_dict()`` and
     ``load_state_dict()`` are the model's own. Attributes: ``plan`` (the PipelinePlan),
     ``stages`` (stage GraphModules in order), ``devices``, ``chunks``, ``checkpoint`` and
-    ``output_device``; ``module`` is the user's model.
+    ``output_device``; ``module`` is the user's model. :meth:`attach_recorder` lets a
+    recorder (``fxpipe.record``) see every task the pipeline runs.
     """
 
     def __init__(
@@ -45,19 +48,17 @@ class Pipeline(nn.Module):
         traced: Traced,
         plan: PipelinePlan,
         program: StageProgram,
-        *,
-        chunks: int,
-        checkpoint: str,
-        deferred_batch_norm: bool = False,
-        output_device: torch.device | None = None,
+        run: RunOptions,
     ) -> None:
         super().__init__()
+        chunks = run.chunks or plan.chunks
+        deferred_batch_norm = run.deferred_batch_norm
         self.module = model
         self.plan = plan
         self.devices = tuple(plan.devices)
         self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.output_device = output_device
+        self.checkpoint = run.checkpoint
+        self.output_device = run.output_device
         self._traced = traced
         self._program = program
         check_micro_batches(traced, chunks, model)
@@ -69,11 +70,11 @@ class Pipeline(nn.Module):
             if deferred_batch_norm
             else []
         )
-        _place_parameters(model, program, self.devices)
+        self._materialised = _place_parameters(model, program, self.devices)
         self._executor = Executor(
             program,
             self.devices,
-            checkpoint,
+            run.checkpoint,
             labels=[_stage_label(plan, j) for j in range(plan.num_stages)],
         )
         self._wanted = [x.name for x in program.output_leaves if isinstance(x, ValueRef)]
@@ -84,6 +85,39 @@ class Pipeline(nn.Module):
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:
         """The stage GraphModules, in pipeline order (``stages[j]`` runs on ``devices[j]``)."""
         return self._program.modules
+
+    @property
+    def use_threads(self) -> bool:
+        """Whether stages run in one worker thread per device. On by default when the stages
+        span several devices; with one device they run in the calling thread (nothing to
+        overlap) unless this is set to ``True``."""
+        return self._executor.use_threads
+
+    @use_threads.setter
+    def use_threads(self, value: bool) -> None:
+        self._executor.use_threads = value
+
+    @contextmanager
+    def attach_recorder(self, recorder: RunRecorder) -> Iterator[None]:
+        """Within a ``with`` block, tell ``recorder`` about every run, cell and transfer.
+
+        ``with pipe.attach_recorder(recorder):`` hands ``recorder`` (a
+        ``fxpipe.runtime.recording.RunRecorder``, such as the timing ``Recorder`` that
+        :func:`fxpipe.record` attaches) every call the pipeline runs inside the block; it
+        is detached when the block ends, also when the block raises. Outside a block the
+        pipeline runs with a recorder that records nothing.
+
+        Raises:
+            ConfigError: another recorder is attached; one recording at a time.
+        """
+        executor = self._executor
+        if executor.recorder is not NO_RECORDER:
+            raise ConfigError("this pipeline is already being recorded; nest no fxpipe.record()")
+        executor.recorder = recorder
+        try:
+            yield
+        finally:
+            executor.recorder = NO_RECORDER
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``model(*args, **kwargs)`` as micro-batches through the stages; the output has
@@ -96,6 +130,8 @@ class Pipeline(nn.Module):
         exceptions keep their type and get that as a note.
         """
         self._check_unchanged()
+        if self._materialised.active:  # built on meta: every tensor must be loaded
+            self._materialised.check()
         values = self._traced.binder.bind(args, kwargs)
         device = self.output_device or _first_device(values)
         batches = scatter(values, self.chunks)
@@ -121,13 +157,16 @@ class Pipeline(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load the model's own checkpoint; values are copied onto each stage's device."""
+        """Load the model's own checkpoint; values are copied onto each stage's device.
+
+        A model built on ``meta`` also takes its non-persistent buffers here (state_dict()
+        leaves them out, and they hold no values until loaded)."""
         if assign:
             raise ConfigError(
                 "load_state_dict(assign=True) would replace the Parameters the stages hold; "
                 "use assign=False"
             )
-        return self.module.load_state_dict(state_dict, strict=strict)
+        return self._materialised.load_state_dict(self.module, state_dict, strict)
 
     def to(self, *args: Any, **kwargs: Any) -> Pipeline:
         """Change the dtype of the parameters and buffers in place (``pipe.to(torch.bfloat16)``);
@@ -198,20 +237,27 @@ def _first_device(values: tuple[Any, ...]) -> torch.device:
 
 def _place_parameters(
     model: nn.Module, program: StageProgram, devices: tuple[torch.device, ...]
-) -> None:
+) -> Materialised:
     """Move every parameter and buffer a stage holds to that stage's device, in place
-    (``.data`` is replaced, the objects stay); all or nothing."""
+    (``.data`` is replaced, the objects stay); one on ``meta`` is made there, uninitialised
+    (:mod:`fxpipe.materialise`); all or nothing."""
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    made = Materialised(model)
     try:
         for module, device in zip(program.modules, devices):
             for tensor in _held_tensors(module):
-                if not same_device(tensor.device, device):
+                if tensor.is_meta and device.type != "meta":
+                    made.make(tensor, device)
+                elif not same_device(tensor.device, device):
                     moved.append((tensor, tensor.data))
                     tensor.data = tensor.data.to(device)
+        made.finish(devices)
     except BaseException:
         for tensor, old in reversed(moved):
             tensor.data = old
+        made.undo()
         raise
+    return made
 
 
 def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -7,16 +7,19 @@ Installed as ``fxpipe.passes``; import it only under that name. In order:
 3. ``units.build_units(g) -> Units``: groups that no stage border may split.
 4. ``partition.partition_graph(g, num_stages, *, slack) -> Partition``: the split
    (``ideals`` is the exact search for small graphs, ``dp`` the exact split of one order,
-   ``windows`` the coarse DAG on which the order search's borders are placed exactly).
+   ``windows`` the coarse DAG on which the order search's borders are placed exactly;
+   ``fit`` and ``budgeted`` add device speeds and memory budgets, ``memory`` prices a
+   stage's training memory inside the search).
 5. ``plan.build_plan(gm, costs, g, partition, devices, *, chunks) -> PipelinePlan``.
-6. ``split_stages.split_stages(plan, output_spec, *, mode) -> StageProgram``: codegen
+6. ``split_stages.split_stages(plan, output_spec, *, traffic) -> StageProgram``: codegen
    (``placement`` points each stage's device constants, which ``torch.export`` records, at
    the stage's device; ``ops`` says what each op is: view, in-place write).
 
 The contract every pass keeps: inputs are not mutated (the GraphModule, its graph and
 the user's modules are left as they were), options are keyword-only, outputs are frozen
-records from ``fxpipe.ir``. Passes import torch, torch.fx, networkx, numpy, ``fxpipe.ir``
-and ``fxpipe.errors`` only; never the runtime.
+records from ``fxpipe.ir``. Passes import torch, torch.fx, networkx, numpy, ``fxpipe.ir``,
+``fxpipe.errors`` and ``fxpipe.model_state`` (which puts back what pricing runs change)
+only; never the runtime.
 """
 
 __all__: list[str] = []

@@ -50,18 +50,18 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.errors import ConfigError, StageError
-from fxpipe.ir import CostTable, NodeCost
+from fxpipe.ir import CostTable, NodeCost, PricingMode
+from fxpipe.model_state import preserved
 from fxpipe.passes.ops import VIEW_OPS, op_name, state_change, stateful_regions
 from fxpipe.passes.placement import retarget
 from fxpipe.passes.recorded import price_recorded, recorded_shapes, recorded_sizes
 from fxpipe.passes.roofline import HEAVY_ELEMENTWISE, Roofline, roofline_for
 from fxpipe.passes.roofline_facts import Facts, attention_flops, attribute, describe, tensors
 from fxpipe.passes.shape_only import same_shape_output
-from fxpipe.passes.timing import state_preserved, step_seconds, sync, zeros_like
+from fxpipe.passes.timing import step_seconds, sync, zeros_like
 
-__all__ = ["estimate_costs", "output_sizes", "COST_MODES", "DEFAULT_INTENSITY", "Progress"]
+__all__ = ["estimate_costs", "output_sizes", "DEFAULT_INTENSITY", "Progress"]
 
-COST_MODES = ("time", "flops", "params", "roofline")
 #: FLOP a device does in the time it moves one byte (machine balance), per device type.
 DEFAULT_INTENSITY = {"cpu": 10.0, "cuda": 100.0, "meta": 10.0}
 #: ``progress(done, total)``: nodes priced so far, out of all nodes of the graph.
@@ -78,7 +78,7 @@ def estimate_costs(
     gm: fx.GraphModule,
     example_values: Sequence[Any],
     *,
-    mode: str | CostFn = "flops",
+    mode: PricingMode | CostFn = "flops",
     device: torch.device | None = None,
     repeats: int = 5,
     intensity: float | None = None,
@@ -93,11 +93,6 @@ def estimate_costs(
     """
     if callable(mode):
         return _run(gm, example_values, "custom", mode, device, repeats, intensity, progress)
-    if mode not in COST_MODES:
-        raise ConfigError(
-            f"cost={mode!r} is not one of {COST_MODES + ('auto',)} or a callable "
-            "(node) -> float; pick one of them"
-        )
     if mode == "roofline" and recorded_shapes(gm, example_values) is not None:
         roofline = roofline_for((device or _device_of(example_values)).type)
         table: CostTable = price_recorded(gm, example_values, roofline, micro_batches)
@@ -140,7 +135,7 @@ def _run(
     pricer = _Pricer(gm, mode, fn, device, repeats, intensity)
     pricer.micro_batches, pricer.progress = micro_batches, progress
     pricer.home = _device_of(values)
-    with state_preserved(gm):
+    with preserved(gm, structure=False):  # pricing runs the user's modules
         if mode == "time":
             pricer.run(*[_to(v, device) for v in values])
         else:
@@ -169,6 +164,8 @@ class _ValueDependent(ConfigError):
 
 class _Pricer(fx.Interpreter):
     """Runs the graph node by node and records each node's cost and sizes."""
+
+    module: fx.GraphModule
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The node's arguments, with fresh lists and dicts for the immutable ones fx stores

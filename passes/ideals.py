@@ -6,11 +6,16 @@ A split of a DAG into K ordered stages with all edges going forward is a chain o
 ``f_k(I) = min over J < I of max(f_{k-1}(J), W(I) - W(J))``. Dense numpy over all ideal
 pairs: O(K I^2) time and O(I^2) memory, so it is for DAGs with at most a few thousand
 ideals (chains and near-chains; wide branching makes the count explode).
+
+Per stage position k the stage value may be a time (``W(I) - W(J)`` over the speed of
+stage k's device) or any table ``value_k[I, J]`` (memory over a budget, say), and a table
+``allowed_k[I, J]`` may rule stages out (one whose memory exceeds its budget): the
+recursion is the same, so the search stays exact under both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import networkx as nx
 import numpy as np
@@ -62,9 +67,19 @@ def ideal_split(
     border_bytes: np.ndarray | None = None,
     cap: float | None = None,
     balance: float = 0.0,
+    speeds: np.ndarray | None = None,
+    allowed: Callable[[int], np.ndarray] | None = None,
+    stage_value: Callable[[int], np.ndarray] | None = None,
+    stage_sum: Callable[[int], np.ndarray] | None = None,
 ) -> tuple[float, list[int]]:
     """Best split into ``num_stages`` non-empty stages as the row indices of the interior
     ideals (increasing). Every stage's units ``required_first`` must be in the first stage.
+    The value is inf (and the rows meaningless) when no split qualifies.
+
+    A stage's value is its cost ``W(I) - W(J)``, divided by ``speeds[j]`` at position j
+    when given, or ``stage_value(j)[I, J]`` when that is given. ``allowed(j)[I, J]`` False
+    rules stage ``I - J`` out of position j. With ``cap``, ``stage_sum(j)[I, J]`` is added
+    to the summed objective for stage ``I - J`` at position j (its memory, say).
 
     Without ``cap`` this minimises the bottleneck. With ``cap`` and ``border_bytes`` it
     minimises the summed bytes over splits whose stages all cost at most ``cap``; the
@@ -80,13 +95,25 @@ def ideal_split(
     if len(required_first):
         start = np.asarray(ideals[:, list(required_first)].all(axis=1))
     start[0] = False  # the empty ideal ends no stage
-    if cap is None:
-        f = np.where(start, w, _INF)
-    else:
-        f = np.where(start & (w <= cap), balance * w**2, _INF)
-    choice = []
-    for _ in range(2, num_stages + 1):
+
+    def value(j: int) -> np.ndarray:
+        if stage_value is not None:
+            return stage_value(j)
         stage = w[:, None] - w[None, :]
+        return stage if speeds is None else np.asarray(stage / speeds[j])
+
+    first = w if stage_value is None and speeds is None else value(0)[:, 0]
+    if allowed is not None:
+        start = start & allowed(0)[:, 0]
+    if cap is None:
+        f = np.where(start, first, _INF)
+    else:
+        f = np.where(start & (first <= cap), balance * first**2, _INF)
+        if stage_sum is not None:
+            f = f + stage_sum(0)[:, 0]
+    choice = []
+    for j in range(1, num_stages):
+        stage = value(j)
         if cap is None:
             cand = np.maximum(f[None, :], stage)
         else:
@@ -94,7 +121,11 @@ def ideal_split(
             priced = f[None, :] + (extra if extra.ndim == 2 else extra[None, :])
             if balance:
                 priced = priced + balance * stage**2
+            if stage_sum is not None:
+                priced = priced + stage_sum(j)
             cand = np.where(stage <= cap, priced, _INF)
+        if allowed is not None:
+            cand = np.where(allowed(j), cand, _INF)
         cand = np.where(sub, cand, _INF)
         arg = cand.argmin(axis=1)
         f = cand[np.arange(count), arg]
@@ -117,8 +148,17 @@ def ideal_stages(ideals: np.ndarray, rows: Sequence[int]) -> np.ndarray:
 
 
 def _strict_subsets(ideals: np.ndarray) -> np.ndarray:
-    """``sub[i, j]``: ideal j is a strict subset of ideal i."""
+    """``sub[i, j]``: ideal j is a strict subset of ideal i (kept for the last ideals asked
+    about: searches under memory limits split the same ideals many times)."""
+    last = _LAST_SUBSETS.get("ideals")
+    if last is not None and last[0] is ideals:
+        return last[1]
     a = ideals.astype(np.float32)
     outside = a @ (1.0 - a).T  # outside[j, i] = |J - I|
     sizes = ideals.sum(axis=1)
-    return np.asarray((outside.T == 0) & (sizes[None, :] < sizes[:, None]))
+    sub = np.asarray((outside.T == 0) & (sizes[None, :] < sizes[:, None]))
+    _LAST_SUBSETS["ideals"] = (ideals, sub)
+    return sub
+
+
+_LAST_SUBSETS: dict[str, tuple[np.ndarray, np.ndarray]] = {}

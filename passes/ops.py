@@ -12,6 +12,7 @@ __all__ = [
     "VIEW_OPS",
     "OPERATOR_IN_PLACE",
     "op_name",
+    "module_path",
     "is_view",
     "viewed_input",
     "ALIASES",
@@ -107,6 +108,20 @@ def op_name(n: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target._opname)
     return str(getattr(target, "__name__", target))
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node belongs to: its target for module calls, the owner of the attribute
+    for ``get_attr``, else the innermost entry of ``nn_module_stack``; ``""`` at the root."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        owner, _, _ = str(node.target).rpartition(".")
+        return owner
+    stack = node.meta.get("nn_module_stack")
+    if stack and node.op in ("call_function", "call_method"):
+        return str(list(stack.values())[-1][0])
+    return ""
 
 
 def is_view(n: fx.Node) -> bool:

@@ -17,6 +17,11 @@ zero-cost naming nodes never become stage borders:
    windows) minimise that traffic; the split of the best order minimises relay bytes (an
    upper bound of the direct traffic); the order path keeps whichever of the two sends
    less.
+4. ``speed`` and ``memory`` (:mod:`fxpipe.passes.fit`): stage j's time is its cost over
+   the speed of its device, and every search above compares times. Under memory budgets
+   the split found first is kept when every device holds its stages; otherwise the same
+   searches run again with each stage's memory limit inside them (a stage over its limit
+   is never a candidate) as :mod:`fxpipe.passes.budgeted` says.
 
 Placeholders go to stage 0, ``get_attr`` nodes to the first stage that reads them, and
 the output node to the last stage.
@@ -27,16 +32,20 @@ from __future__ import annotations
 import heapq
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
 import numpy as np
 
-from fxpipe.errors import ConfigError, PlanError
+from fxpipe.errors import PlanError
+from fxpipe.ir import Traffic
+from fxpipe.passes.budgeted import Found, fit_budgets
 from fxpipe.passes.dp import min_bytes_split, min_max_split
+from fxpipe.passes.fit import StageFit, order_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
+from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering, MemoryModel
 from fxpipe.passes.nx_graph import carries_value
 from fxpipe.passes.units import Units, build_units
 from fxpipe.passes.windows import coarsen_near_borders
@@ -48,11 +57,7 @@ __all__ = [
     "node_stages",
     "candidate_orders",
     "refine",
-    "TRAFFIC",
 ]
-
-#: How values travel between stages: ``"direct"`` or ``"relay"`` (see the module docstring).
-TRAFFIC = ("direct", "relay")
 
 #: Largest ideal count the exact search takes on inside the partitioner.
 EXACT_LIMIT = 1500
@@ -86,7 +91,7 @@ class Partition:
     #: "direct" (a value goes to each stage that reads it; a model output leaves from the
     #: stage that makes it) or "relay" (through every stage in between; outputs leave from
     #: the last stage), as the codegen will move values.
-    traffic: str = "direct"
+    traffic: Traffic = "direct"
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -102,9 +107,6 @@ class _Value:
     to_output: bool
 
 
-MODEL_INPUT, FIRST_READER = -1, -2
-
-
 def partition_graph(
     g: nx.DiGraph,
     num_stages: int,
@@ -112,44 +114,231 @@ def partition_graph(
     slack: float = 0.0,
     exact_limit: int = EXACT_LIMIT,
     window_limit: int = WINDOW_LIMIT,
-    traffic: str = "direct",
+    traffic: Traffic = "direct",
+    speed: Sequence[float] | None = None,
+    memory: MemoryModel | None = None,
 ) -> Partition:
     """Split ``g`` (from :func:`fxpipe.passes.nx_graph.to_networkx`) into ``num_stages``.
 
     ``exact_limit`` caps the ideals of the whole-DAG exact search (0: order search only);
-    ``window_limit`` those of the coarse DAG around the order search's borders (0: none)."""
+    ``window_limit`` those of the coarse DAG around the order search's borders (0: none).
+    ``speed[j]``: the relative speed of stage j's device; a stage's time is its cost over
+    it and the bottleneck is the largest time (None: all 1, times are costs). ``memory``:
+    the budgets every device's stages must fit (MemoryPlanError, with the least memory any
+    split needs, when none does)."""
     started = time.perf_counter()
-    if traffic not in TRAFFIC:
-        raise ConfigError(f"traffic={traffic!r} is not one of {TRAFFIC}; pick one of them")
-    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1e9:
-        raise ConfigError(
-            f"slack={slack!r} must be a number >= 0: the fraction the bottleneck may grow by "
-            "to send fewer bytes (0.01 = 1%; 0 keeps the best bottleneck)"
-        )
     units = build_units(g)
     _check_enough_units(g, units, num_stages)
     values = _values(g, units, traffic)
     ideals = enumerate_ideals(units.dag, exact_limit) if exact_limit > 0 else None
-    if ideals is not None:
-        best, pick = _search_on_ideals(units, values, ideals, num_stages, traffic)
-    else:
-        best, pick = _search_on_orders(g, units, values, num_stages, traffic, window_limit)
-    unit_stage, method = pick(_cap(best, slack))
-    moved = sent_bytes(values, unit_stage, num_stages, traffic)
-    bottleneck = _bottleneck(units.weight, unit_stage, num_stages)
-    if slack > 0:  # the slack must buy fewer bytes: else keep the best bottleneck
-        tight_stage, tight_method = pick(_cap(best, 0.0))
-        tight_moved = sent_bytes(values, tight_stage, num_stages, traffic)
-        tighter = _bottleneck(units.weight, tight_stage, num_stages)
-        if tight_moved <= moved and tighter < bottleneck:
-            unit_stage, method, moved, bottleneck = tight_stage, tight_method, tight_moved, tighter
+    search = _Search(g, units, values, ideals, num_stages, slack, traffic, window_limit)
+    fit = StageFit(speeds=_speeds(speed, num_stages))
+    found = search.split(fit)
+    if found is None:  # pragma: no cover - every split qualifies without memory limits
+        raise PlanError(f"no split of the graph into {num_stages} stages was found")
+    how = None
+    if memory is not None:
+        found, how = fit_budgets(search, found, fit, memory)
+    unit_stage, method, moved, bottleneck = found
     stage_of = node_stages(g, units, unit_stage, num_stages)
-    info = {
+    info: dict[str, Any] = {
         "units": units.num_units,
         "ideals": None if ideals is None else len(ideals),
         "seconds": time.perf_counter() - started,
     }
+    if how is not None:
+        info["memory"] = how
     return Partition(stage_of, bottleneck, method, moved, traffic, info)
+
+
+def _speeds(speed: Sequence[float] | None, k: int) -> np.ndarray | None:
+    """The speeds as an array, None when all are 1 (times are costs, bit for bit)."""
+    if speed is None:
+        return None
+    speeds = np.asarray(speed, dtype=np.float64)
+    if speeds.shape != (k,) or not (np.isfinite(speeds).all() and (speeds > 0).all()):
+        raise PlanError(f"speed={list(speed)} must be {k} positive numbers, one per stage")
+    return None if (speeds == 1.0).all() else speeds
+
+
+@dataclass(frozen=True)
+class _Search:
+    """The searches of one graph, ready to run under any :class:`StageFit`."""
+
+    g: nx.DiGraph
+    units: Units
+    values: list[_Value]
+    ideals: np.ndarray | None
+    k: int
+    slack: float
+    traffic: Traffic
+    window_limit: int
+
+    def split(self, fit: StageFit) -> Found | None:
+        """The best split under ``fit`` and its fewest-bytes pick within the slack:
+        (unit stages, method, bytes sent, bottleneck); None when no split fits."""
+        units, values, k, traffic = self.units, self.values, self.k, self.traffic
+        if self.ideals is not None:
+            best, pick = _search_on_ideals(units, values, self.ideals, k, traffic, fit)
+        else:
+            best, pick = _search_on_orders(
+                self.g, units, values, k, traffic, self.window_limit, fit
+            )
+        if not np.isfinite(best):
+            return None
+        unit_stage, method = pick(_cap(best, self.slack))
+        moved = sent_bytes(values, unit_stage, k, traffic)
+        bottleneck = _bottleneck(units.weight, unit_stage, k, fit.speeds)
+        if self.slack > 0:  # the slack must buy fewer bytes: else keep the best bottleneck
+            tight_stage, tight_method = pick(_cap(best, 0.0))
+            tight_moved = sent_bytes(values, tight_stage, k, traffic)
+            tighter = _bottleneck(units.weight, tight_stage, k, fit.speeds)
+            if tight_moved <= moved and tighter < bottleneck:
+                unit_stage, method, moved, bottleneck = (
+                    tight_stage, tight_method, tight_moved, tighter
+                )  # fmt: skip
+        return unit_stage, method, moved, bottleneck
+
+    def least_memory(self, fit: StageFit, *, quick: bool = False) -> np.ndarray | None:
+        """The split whose largest ratio of a stage's memory to its limit is smallest
+        (exact over every convex split on the ideals, else over each candidate order and
+        windows around the best; ``quick``: the structured orders only)."""
+        units, k = self.units, self.k
+        if self.ideals is not None:
+            value, rows = ideal_split(
+                self.ideals,
+                units.weight,
+                k,
+                required_first=sorted(units.pinned_first),
+                stage_value=fit.memory_ratio_on(self.ideals),
+            )
+            return ideal_stages(self.ideals, rows) if np.isfinite(value) else None
+        best: tuple[float, np.ndarray] | None = None
+        for name, order in candidate_orders(units).items():
+            if quick and name.startswith("random"):
+                continue
+            value, borders = order_split(
+                units.weight[order],
+                k,
+                first_cut=_first_cut(units, order),
+                memory=fit.on_order(order),
+                limits=fit.limits,
+                objective="memory",
+            )
+            if np.isfinite(value) and (best is None or value < best[0]):
+                best = (value, _order_stages(units, order, borders))
+        if best is None:
+            return None
+        value, split = best
+        for _ in range(WINDOW_ROUNDS if self.window_limit > 0 else 0):
+            window = coarsen_near_borders(units, split, k, self.window_limit)
+            if window is None:
+                break
+            coarse, of_unit, ideals = window
+            coarse_fit = fit.coarsen(of_unit, _entering(_coarse_values(self.values, of_unit)))
+            lower, rows = ideal_split(
+                ideals,
+                coarse.weight,
+                k,
+                required_first=sorted(coarse.pinned_first),
+                stage_value=coarse_fit.memory_ratio_on(ideals),
+            )
+            if not lower < value * (1.0 - 1e-9):
+                break
+            value, split = lower, ideal_stages(ideals, rows)[of_unit]
+        return split
+
+    def least_sum(
+        self, fit: StageFit, weights: np.ndarray, cap: float
+    ) -> tuple[float, np.ndarray] | None:
+        """The split, among those ``fit`` allows whose every stage takes at most ``cap``,
+        with the smallest sum of ``weights[j]`` x stage j's memory: (that sum, the split);
+        None when none qualifies (exact on the ideals, else over the structured orders)."""
+        units, k = self.units, self.k
+        memory = fit.memory
+        assert memory is not None
+        if self.ideals is not None:
+            table = memory.on_ideals(self.ideals)
+            value, rows = ideal_split(
+                self.ideals,
+                units.weight,
+                k,
+                required_first=sorted(units.pinned_first),
+                cap=cap,
+                speeds=fit.speeds,
+                allowed=fit.allowed_on(self.ideals),
+                stage_sum=lambda j: weights[j] * table.stage(j),
+            )
+            return (value, ideal_stages(self.ideals, rows)) if np.isfinite(value) else None
+        best: tuple[float, np.ndarray] | None = None
+        for name, order in candidate_orders(units).items():
+            if name.startswith("random"):
+                continue
+            value, borders = order_split(
+                units.weight[order],
+                k,
+                first_cut=_first_cut(units, order),
+                speeds=fit.speeds,
+                memory=fit.on_order(order),
+                limits=fit.limits,
+                objective="summed",
+                cap=cap,
+                weights=weights,
+            )
+            if np.isfinite(value) and (best is None or value < best[0]):
+                best = (value, _order_stages(units, order, borders))
+        return best
+
+    def improve(self, unit_stage: np.ndarray, fit: StageFit) -> Found:
+        """``unit_stage`` (which ``fit`` allows), its borders re-placed exactly within
+        windows around them for a smaller bottleneck under ``fit``."""
+        units, k = self.units, self.k
+        start = _bottleneck(units.weight, unit_stage, k, fit.speeds)
+        if self.window_limit <= 0:
+            return self.found(unit_stage, "least memory", fit)
+        window, best = _windows_until_stable(
+            units, self.values, unit_stage, start, k, self.window_limit, fit
+        )
+        if window is None or not best < start:
+            return self.found(unit_stage, "least memory", fit)
+        coarse, of_unit, ideals = window
+        coarse_values = _coarse_values(self.values, of_unit)
+        chosen = _fewest_bytes_on_ideals(
+            coarse, coarse_values, ideals, k, _cap(best, 0.0), self.traffic,
+            fit.coarsen(of_unit, _entering(coarse_values)),
+        )  # fmt: skip
+        return self.found(chosen[of_unit], "least memory+windows", fit)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the searches are exact over every convex split (on the ideals)."""
+        return self.ideals is not None
+
+    def found(self, unit_stage: np.ndarray, method: str, fit: StageFit) -> Found:
+        """``unit_stage`` described as :meth:`split` describes its splits."""
+        moved = sent_bytes(self.values, unit_stage, self.k, self.traffic)
+        bottleneck = _bottleneck(self.units.weight, unit_stage, self.k, fit.speeds)
+        return unit_stage, method, moved, bottleneck
+
+    def entering(self) -> list[Entering]:
+        """The values units receive, as the memory pricing reads them."""
+        return _entering(self.values)
+
+    def with_stages(self, k: int) -> _Search | None:
+        """The same search into ``k`` stages; None when the graph has too few cuts."""
+        try:
+            _check_enough_units(self.g, self.units, k)
+        except PlanError:
+            return None
+        return _Search(
+            self.g, self.units, self.values, self.ideals, k, self.slack, self.traffic,
+            self.window_limit,
+        )  # fmt: skip
+
+
+def _entering(values: list[_Value]) -> list[Entering]:
+    """``values`` as :class:`fxpipe.passes.memory.Entering` (the same producer codes)."""
+    return [Entering(v.bytes, v.producer, v.readers, v.to_output) for v in values]
 
 
 def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
@@ -177,7 +366,7 @@ def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
     )
 
 
-def _values(g: nx.DiGraph, units: Units, traffic: str) -> list[_Value]:
+def _values(g: nx.DiGraph, units: Units, traffic: Traffic) -> list[_Value]:
     """Every value read outside the unit that makes it; the model output counts as a reader
     in the last stage only in relay traffic (direct: the maker returns it to the caller)."""
     out = []
@@ -207,26 +396,51 @@ Pick = Callable[[float], tuple[np.ndarray, str]]
 
 
 def _search_on_ideals(
-    units: Units, values: list[_Value], ideals: np.ndarray, k: int, traffic: str
+    units: Units,
+    values: list[_Value],
+    ideals: np.ndarray,
+    k: int,
+    traffic: Traffic,
+    fit: StageFit,
 ) -> tuple[float, Pick]:
-    """The exact best bottleneck over every convex split, and the fewest-bytes pick."""
-    best, _ = ideal_split(ideals, units.weight, k, required_first=sorted(units.pinned_first))
+    """The exact best bottleneck over every convex split that ``fit`` allows, and the
+    fewest-bytes pick."""
+    allowed = fit.allowed_on(ideals)
+    best, _ = ideal_split(
+        ideals,
+        units.weight,
+        k,
+        required_first=sorted(units.pinned_first),
+        speeds=fit.speeds,
+        allowed=allowed,
+    )
 
     def pick(cap: float) -> tuple[np.ndarray, str]:
-        return _fewest_bytes_on_ideals(units, values, ideals, k, cap, traffic), "ideals"
+        chosen = _fewest_bytes_on_ideals(units, values, ideals, k, cap, traffic, fit, allowed)
+        return chosen, "ideals"
 
     return best, pick
 
 
 def _fewest_bytes_on_ideals(
-    units: Units, values: list[_Value], ideals: np.ndarray, k: int, cap: float, traffic: str
+    units: Units,
+    values: list[_Value],
+    ideals: np.ndarray,
+    k: int,
+    cap: float,
+    traffic: Traffic,
+    fit: StageFit,
+    allowed: Callable[[int], np.ndarray] | None = None,
 ) -> np.ndarray:
-    """The unit stages of the split that sends the fewest bytes with every stage <= cap."""
+    """The unit stages of the split that sends the fewest bytes with every stage <= cap
+    (``allowed``: the memory masks of ``fit`` on these ideals, when already made)."""
     if traffic == "relay":
         priced = _bytes_leaving(ideals, values)
     else:
         priced = _bytes_entering(ideals, values)
     total = float(units.weight.sum())
+    if fit.speeds is not None:
+        total /= float(fit.speeds.min())  # the times sum to at most this
     _, rows = ideal_split(
         ideals,
         units.weight,
@@ -235,6 +449,8 @@ def _fewest_bytes_on_ideals(
         border_bytes=priced,
         cap=cap,
         balance=_tie_break(total),
+        speeds=fit.speeds,
+        allowed=allowed if allowed is not None else fit.allowed_on(ideals),
     )
     stages: np.ndarray = ideal_stages(ideals, rows)
     return stages
@@ -303,49 +519,91 @@ def _search_on_orders(
     units: Units,
     values: list[_Value],
     k: int,
-    traffic: str,
+    traffic: Traffic,
     window_limit: int,
+    fit: StageFit,
 ) -> tuple[float, Pick]:
     """The best order's split, its borders then re-placed exactly within windows; the pick
     takes the fewest bytes under a cap from the windows' splits or the orders' (every
     order's on graphs of at most ``RANDOM_ORDERS_MAX_UNITS`` units, else the best one's)."""
-    tried = _orders_tried(units, k)
+    tried = _orders_tried(units, k, fit)
     best, name, order, first, borders = min(tried, key=lambda r: r[0])
     window = None
     if window_limit > 0 and np.isfinite(best):
         minmax = _order_stages(units, order, borders)
-        window, best = _windows_until_stable(units, minmax, best, k, window_limit)
+        window, best = _windows_until_stable(units, values, minmax, best, k, window_limit, fit)
     small = units.num_units <= RANDOM_ORDERS_MAX_UNITS
 
     def pick(cap: float) -> tuple[np.ndarray, str]:
         candidates = []  # (unit stages, method), windows first: they win ties
         if window is not None:
             coarse, of_unit, ideals = window
+            coarse_values = _coarse_values(values, of_unit)
             chosen = _fewest_bytes_on_ideals(
-                coarse, _coarse_values(values, of_unit), ideals, k, cap, traffic
-            )
+                coarse, coarse_values, ideals, k, cap, traffic,
+                fit.coarsen(of_unit, _entering(coarse_values)),
+            )  # fmt: skip
             candidates.append((chosen[of_unit], f"order:{name}+windows"))
         for value, other, other_order, other_first, other_borders in tried:
             if not value <= cap or not (small or other_order is order):
                 continue
             stages = _order_stages(units, other_order, other_borders)
             candidates.append((stages, f"order:{other}"))
-            moved, cut = min_bytes_split(
-                units.weight[other_order], _cut_bytes(other_order, values), k, cap,
-                first_cut=other_first,
-            )  # fmt: skip
+            moved, cut = _order_fewest_bytes(
+                units, other_order, other_first, _cut_bytes(other_order, values), k, cap, fit
+            )
             if np.isfinite(moved):
                 candidates.append((_order_stages(units, other_order, cut), f"order:{other}"))
         return min(
             candidates,
-            key=lambda c: (sent_bytes(values, c[0], k, traffic), _sum_of_squares(units, c[0], k)),
+            key=lambda c: (
+                sent_bytes(values, c[0], k, traffic),
+                _sum_of_squares(units, c[0], k, fit.speeds),
+            ),
         )
 
     return best, pick
 
 
+def _order_best(
+    units: Units, order: list[int], first: int, k: int, fit: StageFit
+) -> tuple[float, list[int]]:
+    """The smallest bottleneck of one order's splits that ``fit`` allows, and its borders."""
+    w = units.weight[order]
+    if not fit.bounded:
+        return min_max_split(w, k, first_cut=first, speeds=fit.speeds)
+    return order_split(
+        w, k, first_cut=first, speeds=fit.speeds, memory=fit.on_order(order), limits=fit.limits
+    )
+
+
+def _order_fewest_bytes(
+    units: Units,
+    order: list[int],
+    first: int,
+    cut: np.ndarray,
+    k: int,
+    cap: float,
+    fit: StageFit,
+) -> tuple[float, list[int]]:
+    """The fewest bytes of one order's splits under ``cap`` that ``fit`` allows."""
+    w = units.weight[order]
+    if not fit.bounded:
+        return min_bytes_split(w, cut, k, cap, first_cut=first, speeds=fit.speeds)
+    return order_split(
+        w, k, first_cut=first, speeds=fit.speeds, memory=fit.on_order(order),
+        limits=fit.limits, objective="bytes", cut_bytes=cut, cap=cap,
+    )  # fmt: skip
+
+
 def _windows_until_stable(
-    units: Units, split: np.ndarray, best: float, k: int, limit: int
+    units: Units,
+    values: list[_Value],
+    split: np.ndarray,
+    best: float,
+    k: int,
+    limit: int,
+    fit: StageFit,
 ) -> tuple[Window | None, float]:
     """Re-place the borders of ``split`` exactly within windows around them, then again
     around the borders found, while the bottleneck drops (at most ``WINDOW_ROUNDS`` times):
@@ -357,8 +615,14 @@ def _windows_until_stable(
             break
         window = found
         coarse, of_unit, ideals = found
+        coarse_fit = fit.coarsen(of_unit, _entering(_coarse_values(values, of_unit)))
         value, rows = ideal_split(
-            ideals, coarse.weight, k, required_first=sorted(coarse.pinned_first)
+            ideals,
+            coarse.weight,
+            k,
+            required_first=sorted(coarse.pinned_first),
+            speeds=fit.speeds,
+            allowed=coarse_fit.allowed_on(ideals),
         )
         if not value < best * (1.0 - 1e-9):
             break
@@ -366,20 +630,23 @@ def _windows_until_stable(
     return window, best
 
 
-def _orders_tried(units: Units, k: int) -> list[tuple[float, str, list[int], int, list[int]]]:
+def _orders_tried(
+    units: Units, k: int, fit: StageFit
+) -> list[tuple[float, str, list[int], int, list[int]]]:
     """Every candidate order, and each re-ordering by a round of refinement: (bottleneck of
     its exact split, order name, order, first allowed border, the split's borders)."""
     results = []
+    fits = fit.fits if fit.bounded else None
     for name, order in candidate_orders(units).items():
         for _ in range(REFINE_ROUNDS):
             first = _first_cut(units, order)
-            best, borders = min_max_split(units.weight[order], k, first_cut=first)
+            best, borders = _order_best(units, order, first, k, fit)
             results.append((best, name, order, first, borders))
             if not np.isfinite(best):
                 break
             stage = _order_stages(units, order, borders)
-            refined = refine(units, stage, k)
-            if _bottleneck(units.weight, refined, k) >= best:
+            refined = refine(units, stage, k, speeds=fit.speeds, fits=fits)
+            if _bottleneck(units.weight, refined, k, fit.speeds) >= best:
                 break
             position = {u: p for p, u in enumerate(order)}
             order = sorted(range(units.num_units), key=lambda u: (refined[u], position[u]))
@@ -393,17 +660,29 @@ def _order_stages(units: Units, order: list[int], borders: list[int]) -> np.ndar
     return unit_stage
 
 
-def refine(units: Units, unit_stage: np.ndarray, k: int, max_moves: int = 200) -> np.ndarray:
+def refine(
+    units: Units,
+    unit_stage: np.ndarray,
+    k: int,
+    max_moves: int = 200,
+    *,
+    speeds: np.ndarray | None = None,
+    fits: Callable[[np.ndarray], bool] | None = None,
+) -> np.ndarray:
     """Move single units out of the bottleneck stage into a neighbour while that lowers the
     bottleneck and keeps every edge going forward (a unit may go back a stage when all its
-    predecessors are already there, forward when all its successors are)."""
+    predecessors are already there, forward when all its successors are). Stage j's time
+    is its cost over ``speeds[j]``; with ``fits``, a move is made only when the split after
+    it passes (the best such move)."""
     stage = unit_stage.copy()
     cost = np.bincount(stage, weights=units.weight, minlength=k)
     count = np.bincount(stage, minlength=k)
+    speed = np.ones(k) if speeds is None else speeds
     dag, w = units.dag, units.weight
     for _ in range(max_moves):
-        b = int(cost.argmax())
-        best: tuple[float, int, int] | None = None
+        b = int((cost / speed).argmax())
+        top = cost[b] / speed[b]
+        moves: list[tuple[float, int, int]] = []
         for u in np.flatnonzero(stage == b):
             for to in (b - 1, b + 1):
                 if not 0 <= to < k or count[b] <= 1 or (u in units.pinned_first and to > 0):
@@ -412,9 +691,11 @@ def refine(units: Units, unit_stage: np.ndarray, k: int, max_moves: int = 200) -
                     continue
                 if to > b and any(stage[q] < to for q in dag.successors(u)):
                     continue
-                peak = max(cost[b] - w[u], cost[to] + w[u])
-                if peak < cost[b] - 1e-12 and (best is None or peak < best[0]):
-                    best = (peak, int(u), to)
+                peak = max((cost[b] - w[u]) / speed[b], (cost[to] + w[u]) / speed[to])
+                if peak < top - 1e-12:
+                    moves.append((peak, int(u), to))
+        moves.sort(key=lambda m: m[0])  # stable: the first of equal peaks, as found
+        best = next((m for m in moves if fits is None or fits(_moved(stage, m))), None)
         if best is None:
             break
         _, moved, to = best
@@ -507,7 +788,7 @@ def _cut_bytes(order: list[int], values: list[_Value]) -> np.ndarray:
     return np.cumsum(diff)[: num + 1]
 
 
-def sent_bytes(values: list[_Value], unit_stage: np.ndarray, k: int, traffic: str) -> float:
+def sent_bytes(values: list[_Value], unit_stage: np.ndarray, k: int, traffic: Traffic) -> float:
     """Bytes the stages of ``unit_stage`` send each other under ``traffic``."""
     total = 0.0
     for v in values:
@@ -533,8 +814,12 @@ def _tie_break(total: float) -> float:
     return 0.25 / total**2 if total > 0 else 0.0
 
 
-def _sum_of_squares(units: Units, unit_stage: np.ndarray, k: int) -> float:
+def _sum_of_squares(
+    units: Units, unit_stage: np.ndarray, k: int, speeds: np.ndarray | None = None
+) -> float:
     costs = np.bincount(unit_stage, weights=units.weight, minlength=k)
+    if speeds is not None:
+        costs = costs / speeds
     return float((costs**2).sum())
 
 
@@ -542,8 +827,18 @@ def _cap(best: float, slack: float) -> float:
     return best * (1.0 + max(slack, 0.0)) + 1e-9 * max(abs(best), 1.0)
 
 
-def _bottleneck(weight: np.ndarray, unit_stage: np.ndarray, k: int) -> float:
-    return float(np.bincount(unit_stage, weights=weight, minlength=k).max())
+def _bottleneck(
+    weight: np.ndarray, unit_stage: np.ndarray, k: int, speeds: np.ndarray | None = None
+) -> float:
+    costs = np.bincount(unit_stage, weights=weight, minlength=k)
+    return float((costs if speeds is None else costs / speeds).max())
+
+
+def _moved(unit_stage: np.ndarray, move: tuple[float, int, int]) -> np.ndarray:
+    """``unit_stage`` with one unit moved: ``move`` is (peak, unit, its new stage)."""
+    out = unit_stage.copy()
+    out[move[1]] = move[2]
+    return out
 
 
 def node_stages(g: nx.DiGraph, units: Units, unit_stage: np.ndarray, k: int) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Assembles a PipelinePlan from a partition: stage records, boundary edges, memory estimates.
+"""A PipelinePlan from a partition: stage records, boundary edges, memory estimates, module spans.
 
 Training memory of a stage (GPipe, activations re-materialised when checkpointing):
 
@@ -19,13 +19,12 @@ import torch.fx as fx
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
+from fxpipe.passes.memory import PARAM_COPIES, checkpointed
 from fxpipe.passes.nx_graph import replicated_attrs
+from fxpipe.passes.ops import module_path
 from fxpipe.passes.partition import Partition
 
-__all__ = ["build_plan", "stage_memory", "PARAM_COPIES"]
-
-#: Copies of each parameter a training step holds: weight, gradient, two Adam moments.
-PARAM_COPIES = 4
+__all__ = ["build_plan", "stage_memory", "stage_span", "PARAM_COPIES"]
 
 
 def build_plan(
@@ -38,10 +37,13 @@ def build_plan(
     chunks: int,
     checkpoint: str = "except_last",
     capacity: Sequence[int | None] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> PipelinePlan:
     """The plan of ``partition``; raises MemoryPlanError when a stage cannot fit its device
-    (``capacity[j]`` bytes; ``None`` means unknown and is not checked)."""
+    (``capacity[j]`` bytes; ``None`` means unknown and is not checked). ``speeds[j]``: the
+    relative speed of ``devices[j]``; a stage's cost is its nodes' cost divided by it."""
     k = len(devices)
+    speed = [1.0] * k if speeds is None else [float(v) for v in speeds]
     stage_of = partition.stage_of
     names = [n.name for n in gm.graph.nodes]
     edges = _edges(gm, costs, stage_of, relay=partition.traffic == "relay")
@@ -57,7 +59,7 @@ def build_plan(
             index=j,
             device=devices[j],
             nodes=nodes,
-            cost=sum(costs.nodes[n].cost for n in nodes),
+            cost=_stage_cost(costs, nodes, speed[j]),
             param_bytes=_param_bytes(gm, nodes),
             memory_bytes=0,
             inputs=inputs,
@@ -69,7 +71,10 @@ def build_plan(
         _check_fits(stages, capacity, chunks)
     node_cost = {n: costs.nodes[n].cost for n in names}
     total = sum(node_cost.values())
-    lower = max(total / k, max(node_cost.values(), default=0.0))
+    if speeds is None:
+        lower = max(total / k, max(node_cost.values(), default=0.0))
+    else:  # all devices busy the whole time; the largest node on the fastest device
+        lower = max(total / sum(speed), max(node_cost.values(), default=0.0) / max(speed))
     info = {"method": partition.method, "border_bytes": partition.border_bytes, **partition.info}
     return PipelinePlan(
         graph_module=gm,
@@ -82,8 +87,15 @@ def build_plan(
         lower_bound=lower,
         costs=costs,
         chunks=chunks,
+        capacities=tuple(capacity) if capacity is not None else (None,) * k,
         info=info,
+        speeds=() if speeds is None else tuple(speed),
     )
+
+
+def _stage_cost(costs: CostTable, nodes: tuple[str, ...], speed: float) -> float:
+    cost = sum(costs.nodes[n].cost for n in nodes)
+    return cost if speed == 1.0 else cost / speed
 
 
 def _edges(
@@ -136,11 +148,9 @@ def stage_memory(
     scale = 1.0 / max(chunks, 1)  # costs were priced on the whole example batch
     saved = sum(costs.nodes[n].saved_bytes for n in stage.nodes) * scale
     inputs = sum(costs.nodes[v].output_bytes for v in stage.inputs) * scale
-    checkpointed = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
-    if last and checkpoint == "except_last":
-        checkpointed = chunks - 1
-    kept = (chunks - checkpointed) * saved + checkpointed * inputs
-    recompute = saved if checkpointed else 0.0
+    recomputed = checkpointed(chunks, checkpoint, last=last)  # keep their inputs only
+    kept = (chunks - recomputed) * saved + recomputed * inputs
+    recompute = saved if recomputed else 0.0
     return int(PARAM_COPIES * stage.param_bytes + kept + recompute)
 
 
@@ -179,3 +189,15 @@ def _check_fits(stages: list[StagePlan], capacity: Sequence[int | None], chunks:
         f"the plan does not fit in device memory with chunks={chunks}:\n{rows}\n"
         "remedy: add devices, use checkpoint='always', or a smaller batch"
     )
+
+
+def stage_span(plan: PipelinePlan, stage: StagePlan) -> tuple[str, str]:
+    """The first and last module paths a stage covers (node names where it has none)."""
+    nodes = {n.name: n for n in plan.graph_module.graph.nodes}
+    work = [nodes[n] for n in stage.nodes if nodes[n].op not in ("placeholder", "output")]
+    paths = [p for p in (module_path(n) for n in work) if p]
+    if paths:
+        return paths[0], paths[-1]
+    if work:
+        return work[0].name, work[-1].name
+    return "-", "-"

@@ -77,12 +77,15 @@ def recorded_outputs(
     values = recorded_shapes(gm, example_values)
     if values is None:
         return None
-    batch_sizes = []
+    batch_sizes: list[Any] = []  # sympy symbols
     for n in gm.graph.nodes:
         for t in tensors(values[n.name]) if n.op == "placeholder" else []:
-            if t.ndim > 0 and not isinstance(t.shape[0], torch.SymInt):
+            if t.ndim == 0:
+                continue
+            leading = t.shape[0]
+            if not isinstance(leading, torch.SymInt):
                 return None  # fixed at export time
-            batch_sizes += [t.shape[0].node.expr] if t.ndim > 0 else []
+            batch_sizes.append(leading.node.expr)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves = [values[a.name] if isinstance(a, fx.Node) else a for a in output.args[0]]
     runs = []

@@ -25,26 +25,23 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxpipe.errors import ConfigError
-from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.ir import PipelinePlan, StageProgram, Traffic, ValueRef
 from fxpipe.passes.nx_graph import replicated_attrs
 from fxpipe.passes.placement import place_graph
 
 __all__ = ["split_stages", "run_stages"]
 
-_MODES = ("direct", "relay")
 
-
-def split_stages(plan: PipelinePlan, output_spec: object, *, mode: str = "direct") -> StageProgram:
+def split_stages(
+    plan: PipelinePlan, output_spec: object, *, traffic: Traffic = "direct"
+) -> StageProgram:
     """Stage modules for ``plan`` (built on ``plan.graph_module``, which is not modified)."""
-    if mode not in _MODES:
-        raise ConfigError(f"mode={mode!r} is not one of {_MODES}; pick one of them")
     gm = plan.graph_module
     nodes = list(gm.graph.nodes)
     output = nodes[-1]
     assert output.op == "output"
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
-    inputs, outputs, copies = _flow(plan, nodes, mode)
+    inputs, outputs, copies = _flow(plan, nodes, traffic)
     modules = tuple(
         _stage_module(gm, plan, j, inputs[j], outputs[j], copies) for j in range(plan.num_stages)
     )
@@ -56,35 +53,37 @@ def split_stages(plan: PipelinePlan, output_spec: object, *, mode: str = "direct
         graph_inputs=placeholders,
         output_leaves=leaves,
         output_spec=output_spec,  # type: ignore[arg-type]
-        mode=mode,
+        traffic=traffic,
     )
 
 
 def _flow(
-    plan: PipelinePlan, nodes: list[fx.Node], mode: str
+    plan: PipelinePlan, nodes: list[fx.Node], traffic: Traffic
 ) -> tuple[list[list[str]], list[list[str]], dict[str, set[int]]]:
     """Each stage's inputs and outputs, and the stages that name each non-tensor attribute
     themselves (:func:`_attr_copies`) rather than receive it."""
     shared = replicated_attrs(plan.graph_module)
     moved = [n for n in nodes if n.name not in shared]
-    inputs, outputs = _direct(plan, moved) if mode == "direct" else _relay(plan, moved)
+    inputs, outputs = _direct(plan, moved) if traffic == "direct" else _relay(plan, moved)
     attrs = [n for n in nodes if n.name in shared]
-    copies = _attr_copies(plan, attrs, mode)
+    copies = _attr_copies(plan, attrs, traffic)
     for node in attrs:  # a model that returns the object: the stage named for it returns it
         if _to_output(node):
             last = plan.num_stages - 1
-            outputs[last if mode == "relay" else plan.stage_of[node.name]].append(node.name)
+            outputs[last if traffic == "relay" else plan.stage_of[node.name]].append(node.name)
     return inputs, outputs, copies
 
 
-def _attr_copies(plan: PipelinePlan, attrs: list[fx.Node], mode: str) -> dict[str, set[int]]:
+def _attr_copies(
+    plan: PipelinePlan, attrs: list[fx.Node], traffic: Traffic
+) -> dict[str, set[int]]:
     """Stages that hold their own ``get_attr`` of each non-tensor attribute: every stage
     that reads it, its own stage, and in relay mode the last stage when the model returns
     it (direct mode: its own stage returns it)."""
     copies: dict[str, set[int]] = {}
     for node in attrs:
         stages = _readers(plan, node) | {plan.stage_of[node.name]}
-        if mode == "relay" and _to_output(node):
+        if traffic == "relay" and _to_output(node):
             stages.add(plan.num_stages - 1)
         copies[node.name] = stages
     return copies

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["step_seconds", "grad_inputs", "backward", "sync", "zeros_like", "state_preserved"]
+__all__ = ["step_seconds", "grad_inputs", "backward", "sync", "zeros_like"]
 
 
 def step_seconds(
@@ -78,23 +76,6 @@ def zeros_like(value: Any, device: torch.device) -> Any:
         return value
     zeros = torch.zeros(value.shape, dtype=value.dtype, device=device)
     return zeros.requires_grad_(value.requires_grad)
-
-
-@contextmanager
-def state_preserved(gm: fx.GraphModule) -> Iterator[None]:
-    """Pricing runs the user's modules; put back their buffers and the RNG state."""
-    buffers = [(b, b.detach().clone()) for b in gm.buffers() if not b.is_meta]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import numpy as np
 from fxpipe.passes.ideals import enumerate_ideals
 from fxpipe.passes.units import Units
 
-__all__ = ["coarsen_near_borders", "coarsen"]
+__all__ = ["coarsen_near_borders"]
 
 
 def coarsen_near_borders(
@@ -44,16 +44,6 @@ def coarsen_near_borders(
         return None
     of_unit, dag, ideals = found
     return _coarse_units(units, of_unit, dag), of_unit, ideals
-
-
-def coarsen(units: Units, unit_stage: np.ndarray, k: int, width: int) -> tuple[Units, np.ndarray]:
-    """Contract each stage's interior, leaving up to ``width`` units free on each side of
-    every border: the tail of stage j (closed under successors in j) and the head of stage
-    j + 1 (closed under predecessors in j + 1). Returns the coarse units, numbered in a
-    topological order, and for every fine unit its coarse unit."""
-    edges = np.array(list(units.dag.edges), dtype=np.int64).reshape(-1, 2)
-    of_unit, dag = _coarse_dag(units, edges, unit_stage, k, width)
-    return _coarse_units(units, of_unit, dag), of_unit
 
 
 def _coarse_dag(

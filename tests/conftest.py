@@ -1,4 +1,5 @@
-"""Shared test set-up: a fixed seed per test, the ``cuda`` marker, the zoo on sys.path."""
+"""Shared test set-up: a fixed seed per test, the ``cuda`` and ``slow`` markers, the zoo on
+sys.path."""
 
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ import torch
 # Tests import the shared model zoo as ``models`` (tests/ has no __init__.py by design).
 sys.path.insert(0, str(Path(__file__).parent))
 
+from models import QUICK_MODELS, ZOO, Case  # noqa: E402
+
 
 def pytest_report_header() -> str:
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return f"torch {torch.__version__}, CUDA devices: {cuda}"
 
 
+def _slow_model(value: object) -> bool:
+    name = value.name if isinstance(value, Case) else value
+    return isinstance(name, str) and name in ZOO and name not in QUICK_MODELS
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:  # zoo sweeps: the models outside QUICK_MODELS are slow
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and any(_slow_model(v) for v in callspec.params.values()):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

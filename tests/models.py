@@ -673,6 +673,12 @@ _CASES = [
 
 ZOO: dict[str, Case] = {case.name: case for case in _CASES}
 
+#: The zoo models the quick subset (``pytest -m "not slow"``) sweeps: between them kwargs, a
+#: dict output, BatchNorm, dropout, buffers, in-place ops, a shared module and torch.export.
+#: A test given any other zoo model as a parameter (its Case or its name) is marked ``slow``
+#: (tests/conftest.py).
+QUICK_MODELS = frozenset({"multi_io_dict", "bn_dropout_buffers", "shared_module", "export_only"})
+
 
 def cases(*, tag: str | None = None, tracer: str | None = None) -> list[Case]:
     """Zoo cases in definition order, optionally only those with ``tag`` / ``tracer``."""

@@ -38,6 +38,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_inspect_end_to_end(tmp_path: Path) -> None:
     html, dot = tmp_path / "report.html", tmp_path / "plan.dot"
     done = _cli(
@@ -52,6 +53,7 @@ def test_inspect_end_to_end(tmp_path: Path) -> None:
     assert dot.read_text().startswith("digraph plan {")
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_without_traceback() -> None:
     done = _cli("inspect", "examples/factories.py:nothing_here", "--shape", "2,3,16,16")
     assert done.returncode == 2
@@ -172,6 +174,7 @@ def test_version_prints_fxpipe_and_torch(capsys: Any) -> None:
     assert installed == fxpipe.__version__
 
 
+@pytest.mark.slow
 def test_version_from_the_command_line() -> None:
     done = _cli("--version")
     assert done.returncode == 0 and done.stdout.startswith(f"fxpipe {fxpipe.__version__} ")

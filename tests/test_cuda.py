@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import fxpipe
 from fxpipe.api import compile_model
+from fxpipe.options import PlanOptions, RunOptions
 
 pytestmark = pytest.mark.cuda
 
@@ -70,13 +71,19 @@ def test_zoo_on_cuda_stages_equals_eager_on_cpu(name: str, layout: str) -> None:
     model, twin = _model(case), _model(case)
     args, kwargs = _example(case)
     compiled = compile_model(
-        model, args, LAYOUTS[layout], example_kwargs=kwargs, cost="flops", tracer=case.tracer
+        model,
+        args,
+        LAYOUTS[layout],
+        PlanOptions(cost="flops", tracer=case.tracer),
+        example_kwargs=kwargs,
     )
     want = twin(*args, **kwargs)
     _loss(want).backward()
     twin_params = dict(twin.named_parameters())
     for checkpoint in ("except_last", "never"):
-        pipe = compiled.pipeline(model, chunks=4, checkpoint=checkpoint, output_device="cpu")
+        pipe = compiled.pipeline(
+            model, RunOptions(chunks=4, checkpoint=checkpoint, output_device=torch.device("cpu"))
+        )
         for p in model.parameters():
             p.grad = None
         got = pipe(*args, **kwargs)

@@ -11,7 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import fxpipe
+
+# Plans two zoo models in this process and in fresh ones under load: slow.
+pytestmark = pytest.mark.slow
 
 #: A CNN traced by fx, a language model traced by torch.export.
 MODELS = ("resnet", "llama")

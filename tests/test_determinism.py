@@ -12,7 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import fxpipe
+
+# Each test plans six zoo models twelve times over (and in three fresh processes): slow.
+pytestmark = pytest.mark.slow
 
 #: Branchy and chain-like zoo models, with keyword inputs and tied weights among them.
 MODELS = ("resnet", "unet", "inception", "transformer", "multi_io_dict", "shared_module")

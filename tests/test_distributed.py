@@ -369,6 +369,7 @@ def _check_against_eager(name: str, results: list[dict[str, Any]], divide: int =
 # ---------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, schedule",
     [("unet", "gpipe"), ("unet", "1f1b"), ("multi_io_dict", "1f1b"), ("llama", "1f1b")],
@@ -379,12 +380,14 @@ def test_two_ranks_match_eager(tmp_path: Path, name: str, schedule: str) -> None
     _check_against_eager(name, results)
 
 
+@pytest.mark.slow
 def test_four_ranks_match_eager(tmp_path: Path) -> None:
     results = _results(_launch(_train, 4, tmp_path, name="unet", schedule="1f1b"))
     assert [r["stages"] for r in results] == [(0,), (1,), (2,), (3,)]
     _check_against_eager("unet", results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule, stages",
     [("interleaved1f1b", [(0, 2), (1, 3)]), ("zbvzerobubble", [(0, 3), (1, 2)])],
@@ -396,6 +399,7 @@ def test_two_stages_per_rank(tmp_path: Path, schedule: str, stages: list[Any]) -
     _check_against_eager("unet", results, divide=N_MB)
 
 
+@pytest.mark.slow
 def test_tied_embedding_gradient_returns_through_the_pipeline(tmp_path: Path) -> None:
     results = _results(_launch(_train, 2, tmp_path, name="transformer", schedule="1f1b"))
     _check_against_eager("transformer", results)
@@ -405,6 +409,7 @@ def test_tied_embedding_gradient_returns_through_the_pipeline(tmp_path: Path) ->
     assert all(r["replicated"] == () for r in results)
 
 
+@pytest.mark.slow
 def test_module_called_in_two_stages_lives_on_one_rank(tmp_path: Path) -> None:
     results = _results(_launch(_train, 2, tmp_path, name="shared_module", schedule="gpipe"))
     assert all(r["stages_using_shared"] == {0, 1} for r in results)
@@ -414,6 +419,7 @@ def test_module_called_in_two_stages_lives_on_one_rank(tmp_path: Path) -> None:
     _check_against_eager("shared_module", results)
 
 
+@pytest.mark.slow
 def test_sync_tied_gradients_sums_copies(tmp_path: Path) -> None:
     results = _results(_launch(_sync, 2, tmp_path))
     for r in results:
@@ -421,6 +427,7 @@ def test_sync_tied_gradients_sums_copies(tmp_path: Path) -> None:
     assert torch.equal(results[0]["mine"], torch.ones(2, 2))
 
 
+@pytest.mark.slow
 def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path) -> None:
     results = _results(_launch(_meta_model, 2, tmp_path))
     eager, loss = _eager("mlp_residual")
@@ -439,6 +446,7 @@ def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path) -> None:
         assert torch.equal(merged[key], value), key
 
 
+@pytest.mark.slow
 def test_failing_rank_stops_every_rank(tmp_path: Path) -> None:
     start = time.monotonic()
     runs = _launch(_fail, 3, tmp_path, bad_rank=1, pg_timeout=15)
@@ -448,6 +456,7 @@ def test_failing_rank_stops_every_rank(tmp_path: Path) -> None:
     assert "injected failure on rank 1" in runs[1][1]["traceback"]
 
 
+@pytest.mark.slow
 def test_bad_options_fail_on_every_rank_before_communication(tmp_path: Path) -> None:
     for errors in _results(_launch(_bad_inputs, 2, tmp_path, pg_timeout=20)):
         assert errors.pop("untouched")
@@ -459,6 +468,7 @@ def test_bad_options_fail_on_every_rank_before_communication(tmp_path: Path) -> 
         assert "n_microbatches=3" in errors["batch"][1]
 
 
+@pytest.mark.slow
 def test_ranks_that_plan_differently_all_refuse(tmp_path: Path) -> None:
     for result in _results(_launch(_disagree, 2, tmp_path, pg_timeout=20)):
         assert "rank(s) [1] computed a different plan" in result["error"]

@@ -37,6 +37,9 @@ from fxpipe.errors import ConfigError, FxPipeError  # noqa: E402
 # In the ``test`` extra; .ci/run fails when it does not import, so this never skips there.
 transformers = pytest.importorskip("transformers")
 
+# Every test starts two ranks (each imports torch and transformers): all slow.
+pytestmark = pytest.mark.slow
+
 VOCAB = 61
 BATCH, LENGTH, N_MB = 4, 8, 2
 COMMON: dict[str, Any] = dict(

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import sweep
 from models import ZOO
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -36,6 +37,7 @@ from fxpipe.errors import (
     StageRunError,
     TraceError,
 )
+from fxpipe.options import PlanOptions, RunOptions
 from fxpipe.views import cli
 
 CPU2 = ["cpu", "cpu"]
@@ -865,16 +867,18 @@ INPLACE = [ReluUnused, AddIntermediate, InplaceReluBeforeResidual, WritesItsInpu
 
 
 @pytest.mark.parametrize("factory", INPLACE, ids=[f.__name__ for f in INPLACE])
-@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("tracer", sweep(["fx", "export"]))
 def test_in_place_writes_next_to_stage_borders_equal_eager(
     factory: Callable[[], nn.Module], tracer: str
 ) -> None:
     x = torch.randn(8, 6, dtype=torch.float64)
     for stages in (2, 3, 4):
         model, twin = _twins(factory)
-        compiled = compile_model(model, x.clone(), ["cpu"] * stages, cost="flops", tracer=tracer)
+        compiled = compile_model(
+            model, x.clone(), ["cpu"] * stages, PlanOptions(cost="flops", tracer=tracer)
+        )
         for checkpoint in ("always", "never"):
-            pipe = compiled.pipeline(model, chunks=4, checkpoint=checkpoint)
+            pipe = compiled.pipeline(model, RunOptions(chunks=4, checkpoint=checkpoint))
             assert_equals_eager(pipe, model, twin, x)
 
 

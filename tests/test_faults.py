@@ -95,7 +95,7 @@ def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     )
     # One CPU device runs stages in the calling thread; faults are tested on the worker
     # threads that several devices use, where losing or leaking a thread can happen.
-    pipe._executor.use_threads = True
+    pipe.use_threads = True
     yield Setup(pipe, twin, baseline)
     FAULT["at"] = None
 
@@ -216,6 +216,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads /proc (Linux)")
 def test_a_short_soak_keeps_threads_flat_and_memory_bounded() -> None:
     """100 training steps (the long run is benchmarks/soak.py): the thread count never

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.api import compile_model
 from fxpipe.errors import PlanError
 from fxpipe.ir import PipelinePlan
+from fxpipe.options import PlanOptions, RunOptions
 from fxpipe.pipeline import Pipeline
 
 EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "300"))
@@ -79,12 +80,14 @@ def check_plan(plan: PipelinePlan, stages: int) -> None:
 def _compile(model: nn.Module, x: torch.Tensor, stages: int, cost: str) -> Any:
     """Compile over ``stages`` CPU stages, or as many as the graph allows."""
     try:
-        return compile_model(model, x, ["cpu"] * stages, cost=cost, tracer="fx"), stages
+        return compile_model(
+            model, x, ["cpu"] * stages, PlanOptions(cost=cost, tracer="fx")
+        ), stages
     except PlanError as e:
         found = re.search(r"at most (\d+) stages?", str(e))
         assert found is not None and 1 <= int(found.group(1)) < stages, str(e)
         fewer = int(found.group(1))
-        return compile_model(model, x, ["cpu"] * fewer, cost=cost, tracer="fx"), fewer
+        return compile_model(model, x, ["cpu"] * fewer, PlanOptions(cost=cost, tracer="fx")), fewer
 
 
 def run_case(
@@ -104,7 +107,7 @@ def run_case(
     xs = [x.clone().requires_grad_(input_grad) for _ in range(2)]
     compiled, stages = _compile(model, x, stages, cost)
     check_plan(compiled.plan, stages)
-    pipe = compiled.pipeline(model, chunks=chunks, checkpoint=checkpoint)
+    pipe = compiled.pipeline(model, RunOptions(chunks=chunks, checkpoint=checkpoint))
     got, want = pipe(xs[0]), twin(xs[1])
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
@@ -129,6 +132,7 @@ def run_case(
             assert relative_error(p.grad, ref) < TOLERANCE, name
 
 
+@pytest.mark.slow
 @_seeded
 @SETTINGS
 @given(
@@ -198,8 +202,8 @@ class DeadBranch(nn.Module):
 def _dead_branch_pipe(checkpoint: str) -> tuple[Pipeline, nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model, x = DeadBranch(), torch.randn(8, 4)
-    compiled = compile_model(model, x, ["cpu"] * 3, cost="flops", tracer="fx")
-    pipe = compiled.pipeline(model, chunks=2, checkpoint=checkpoint)
+    compiled = compile_model(model, x, ["cpu"] * 3, PlanOptions(cost="flops", tracer="fx"))
+    pipe = compiled.pipeline(model, RunOptions(chunks=2, checkpoint=checkpoint))
     return pipe, model, x
 
 
@@ -249,9 +253,9 @@ def test_an_output_of_a_checkpointed_stage_no_loss_reaches_gets_no_gradient() ->
     torch.manual_seed(0)
     model = RandomNet(spec).double()
     x = torch.randn(4, WIDTH, dtype=torch.float64)
-    compiled = compile_model(model, x, ["cpu"] * 3, cost="flops", tracer="fx")
+    compiled = compile_model(model, x, ["cpu"] * 3, PlanOptions(cost="flops", tracer="fx"))
     assert compiled.program.outputs[0] == ("layers_op0", "layers_op1")
-    pipe = compiled.pipeline(model, chunks=1, checkpoint="always")
+    pipe = compiled.pipeline(model, RunOptions(chunks=1, checkpoint="always"))
     pipe(x).sum().backward()
     assert model.layers["op0"].weight.grad is None
     assert model.layers["op1"].weight.grad is not None

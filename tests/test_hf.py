@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import SLOW
 from oracle import relative_error
 from torch import nn
 
@@ -108,7 +109,11 @@ CASES: list[tuple[str, Callable[[], nn.Module], Example, int]] = [
 ]
 
 
-@pytest.mark.parametrize(("name", "build", "example", "stages"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "build", "example", "stages"),
+    # vit in the quick subset (llama is slow as a zoo name too: tests/conftest.py)
+    [pytest.param(*c, id=c[0], marks=() if c[0] == "vit" else SLOW) for c in CASES],
+)
 def test_hf_model_matches_eager(
     name: str, build: Callable[[], nn.Module], example: Example, stages: int
 ) -> None:
@@ -141,6 +146,7 @@ def test_hf_model_matches_eager(
     assert list(pipe.state_dict()) == list(model.state_dict())
 
 
+@pytest.mark.slow
 def test_hf_tied_head_lives_in_one_stage() -> None:
     """GPT-2's LM head is its token embedding: one Parameter, held by one stage only."""
     model = gpt2()
@@ -155,6 +161,7 @@ def test_hf_tied_head_lives_in_one_stage() -> None:
     assert len(holders) == 1
 
 
+@pytest.mark.slow
 def test_hf_loss_inside_the_model_is_refused_and_the_model_kept() -> None:
     """With ``labels`` the model returns the batch's mean loss, which micro-batches cannot be
     joined into: a PlanError saying so, and the model as it was."""

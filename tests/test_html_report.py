@@ -104,6 +104,7 @@ def _recorded() -> fxpipe.Timeline:
     return tl
 
 
+@pytest.mark.slow
 def test_report_has_every_part(tmp_path: Path) -> None:
     tl = _recorded()
     plan = tl.plan

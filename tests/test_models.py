@@ -122,6 +122,7 @@ def test_export_only_fails_fx_and_exports_with_dynamic_batch() -> None:
             assert_same(exported(*args, **kwargs), model(*args, **kwargs))
 
 
+@pytest.mark.slow
 def test_tags_describe_the_models() -> None:
     for case in ALL:
         model, (args, kwargs) = case.build(), case.example(case.batch)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import pytest
 
@@ -38,7 +42,7 @@ RUN_EVERY_PASS = textwrap.dedent(
     part = partition_graph(g, 2)
     plan = build_plan(t.graph_module, costs, g, part, [torch.device("cpu")] * 2, chunks=2)
     for mode in ("direct", "relay"):
-        run_stages(split_stages(plan, t.output_spec, mode=mode), t.example_values)
+        run_stages(split_stages(plan, t.output_spec, traffic=mode), t.example_values)
     """
 )
 
@@ -71,6 +75,7 @@ def test_no_module_named_passes_after_running_every_pass() -> None:
     assert all(n.startswith("fxpipe.passes") for n in _loaded_from_passes())
 
 
+@pytest.mark.slow
 def test_no_module_named_passes_in_a_fresh_interpreter() -> None:
     check = RUN_EVERY_PASS + textwrap.dedent(
         f"""
@@ -119,12 +124,29 @@ def test_passes_never_import_the_runtime_or_the_api(path: Path) -> None:
             assert name != banned and not name.startswith(banned + "."), f"{path.name}: {name}"
         top = name.split(".")[0]
         assert top != "passes", f"{path.name} imports the bare name {name}"
-        allowed_fxpipe = ("fxpipe.ir", "fxpipe.errors", "fxpipe.passes")
+        allowed_fxpipe = ("fxpipe.ir", "fxpipe.errors", "fxpipe.model_state", "fxpipe.passes")
         if top == "fxpipe":
             assert name.startswith(allowed_fxpipe), f"{path.name}: {name}"
         else:
             assert top in sys.stdlib_module_names or top in {"torch", "networkx", "numpy"}, (
                 f"{path.name}: {name}"
+            )
+
+
+#: Outside ``fxpipe/views/`` only these import the views: the package (``fxpipe.record``),
+#: the command line, and ``ir`` (inside PipelinePlan.summary, to_dot and draw).
+VIEW_IMPORTERS = frozenset({"fxpipe/__init__.py", "fxpipe/__main__.py", "fxpipe/ir.py"})
+
+
+def test_only_the_entry_points_import_the_views() -> None:
+    for path in SOURCES:
+        where = path.relative_to(ROOT).as_posix()
+        if where.startswith("fxpipe/views/") or where in VIEW_IMPORTERS:
+            continue
+        for name in _imported_modules(path):
+            assert name != "fxpipe.views" and not name.startswith("fxpipe.views."), (
+                f"{where} imports {name}; views sit on top: move what it needs beside the "
+                "plan (fxpipe.ir, fxpipe.passes) or the runtime"
             )
 
 
@@ -147,3 +169,34 @@ def test_import_fxpipe_exposes_the_public_api() -> None:
     assert isinstance(fxpipe.Pipeline, type) and isinstance(fxpipe.PipelinePlan, type)
     assert issubclass(fxpipe.FxPipeError, Exception)
     assert "passes" not in sys.modules
+
+
+def test_the_editable_install_puts_fxpipe_passes_on_a_static_path() -> None:
+    """Type checkers do not run import hooks: besides setuptools' hook, the editable install
+    (build_backend/fxpipe_build.py) puts on sys.path a folder of links where passes/ is
+    fxpipe/passes, so that mypy run on a user's file sees fxpipe's real types."""
+    # every fxpipe on the path: ./fxpipe.egg-info, left by a build, may come first
+    found = [
+        (dist, json.loads(dist.read_text("direct_url.json") or "{}"))
+        for dist in importlib.metadata.distributions(name="fxpipe")
+    ]
+    editable = [(d, url) for d, url in found if url.get("dir_info", {}).get("editable")]
+    if not editable:
+        pytest.skip("fxpipe is not installed in editable mode")
+    dist, direct = editable[0]
+    if Path(url2pathname(urlparse(direct["url"]).path)).resolve() != ROOT:
+        pytest.skip("fxpipe is installed in editable mode from another checkout")
+    folders = [
+        Path(line.strip())
+        for file in dist.files or []
+        if file.name.endswith(".pth")
+        for line in Path(str(file.locate())).read_text().splitlines()
+        if line.strip() and not line.startswith(("import ", "import\t", "#"))
+    ]
+    linked = [f for f in folders if (f / "fxpipe" / "passes" / "__init__.py").is_file()]
+    assert linked, f"no folder with fxpipe/passes among the .pth entries {folders}"
+    package = linked[0] / "fxpipe"
+    assert (package / "py.typed").is_file()
+    assert (package / "__init__.py").resolve() == ROOT / "fxpipe" / "__init__.py"
+    for stem in PASS_MODULES:
+        assert (package / "passes" / f"{stem}.py").resolve() == PASSES / f"{stem}.py"

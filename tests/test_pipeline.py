@@ -9,7 +9,7 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any
 
 import pytest
 import torch
@@ -80,6 +80,7 @@ def test_parameters_are_the_models_own_objects() -> None:
     assert [id(p) for p in model.parameters()] == before
 
 
+@pytest.mark.slow
 def test_state_dict_has_the_models_keys_and_round_trips() -> None:
     model = ZOO["transformer"].build().eval()
     args, kwargs = ZOO["transformer"].example(4)
@@ -113,6 +114,7 @@ def test_train_and_eval_propagate_and_no_grad_builds_no_graph() -> None:
         assert pipe(x).grad_fn is None
 
 
+@pytest.mark.slow
 def test_dropout_gives_the_same_gradients_with_and_without_checkpointing() -> None:
     x = torch.randn(8, 8)
     grads = []
@@ -139,6 +141,7 @@ def test_autocast_reaches_the_stages() -> None:
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_deferred_batch_norm_matches_full_batch_running_stats() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -306,6 +309,7 @@ def test_call_time_inputs_are_checked() -> None:
     torch.testing.assert_close(out, ref)
 
 
+@pytest.mark.slow
 def test_export_graphs_refuse_another_non_batch_shape() -> None:
     case = ZOO["export_only"]
     model = case.build()
@@ -363,6 +367,7 @@ def test_the_user_model_survives_a_failed_trace() -> None:
     assert copy.deepcopy(model)(torch.randn(2, 4)).shape == (2, 4)
 
 
+@pytest.mark.slow
 def test_a_1pct_slack_grows_the_bottleneck_at_most_1pct_for_fewer_bytes() -> None:
     """``slack=0.01`` may give up to 1% of bottleneck for fewer bytes: never more than that,
     never more bytes than the default plan (the best bottleneck), and no bottleneck at all
@@ -481,28 +486,6 @@ def test_every_keyword_is_documented(function: Callable[..., Any]) -> None:
     for name in inspect.signature(function).parameters:
         assert re.search(rf"^ +{name}: \S", doc, re.MULTILINE), f"{name} is not documented"
     assert re.search(r"^Raises:\n +FxPipeError: ", doc, re.MULTILINE)
-
-
-def _literal_choices(hint: Any) -> set[str]:
-    """The strings a Literal annotation (possibly inside a union) allows."""
-    if get_origin(hint) is Literal:
-        return set(get_args(hint))
-    return set().union(*(_literal_choices(h) for h in get_args(hint)))
-
-
-@pytest.mark.parametrize("function", [fxpipe.pipeline, fxpipe.plan], ids=["pipeline", "plan"])
-def test_option_annotations_are_the_choices_the_runtime_accepts(
-    function: Callable[..., Any],
-) -> None:
-    from fxpipe.passes.cost_model import COST_MODES
-    from fxpipe.runtime.executor import CHECKPOINT_MODES
-    from fxpipe.trace.tracing import TRACERS
-
-    hints = get_type_hints(function)
-    assert _literal_choices(hints["tracer"]) == set(TRACERS)
-    assert _literal_choices(hints["cost"]) == {"auto", *COST_MODES}
-    if "checkpoint" in hints:
-        assert _literal_choices(hints["checkpoint"]) == set(CHECKPOINT_MODES)
 
 
 @pytest.mark.parametrize("owner", [fxpipe.Pipeline, fxpipe.PipelinePlan, fxpipe.Timeline])

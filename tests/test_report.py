@@ -15,6 +15,7 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.ir import PipelinePlan
+from fxpipe.passes.plan import stage_span
 from fxpipe.views import viz
 from fxpipe.views.report import (
     PATH_WIDTH,
@@ -23,7 +24,6 @@ from fxpipe.views.report import (
     dot_quote,
     format_bytes,
     format_cost,
-    stage_span,
 )
 
 HAS_DOT = shutil.which("dot") is not None

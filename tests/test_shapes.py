@@ -62,6 +62,7 @@ def test_every_shape_query_has_one_reader_and_the_graph_still_equals_eager(trace
         assert sum(name.startswith("reshape") for name in members) <= 1, members
 
 
+@pytest.mark.slow
 def test_export_batch_size_no_longer_makes_one_unit_of_the_network() -> None:
     _, units = _units("llama")
     # torch.export reads the batch size once; before, every view shared it and 140 of
@@ -71,6 +72,7 @@ def test_export_batch_size_no_longer_makes_one_unit_of_the_network() -> None:
     assert units.num_units > 100  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_llama_splits_into_balanced_stages() -> None:
     t, _ = _units("llama")
     gm = t.graph_module  # type: ignore[attr-defined]

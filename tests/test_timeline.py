@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,7 +13,8 @@ from models import ZOO
 
 import fxpipe
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.recording import Recorder
+from fxpipe.runtime.checkpoint import Checkpointing
+from fxpipe.runtime.recording import NullRecorder, Recorder
 from fxpipe.views.timeline import TaskRecord, Timeline
 
 K, CHUNKS, BATCH = 3, 4, 8
@@ -88,13 +90,13 @@ def test_recording_keeps_outputs_and_gradients() -> None:
 
 
 def test_recording_is_off_outside_the_block_and_after_an_error() -> None:
-    pipe = _pipe("except_last")
-    assert pipe._executor.recorder is None
-    with pytest.raises(RuntimeError, match="boom"), fxpipe.record(pipe):
-        assert pipe._executor.recorder is not None
-        raise RuntimeError("boom")
-    assert pipe._executor.recorder is None
+    pipe = _pipe("except_last")  # the last micro-batch keeps its activations: Timed
     (x,), _ = ZOO["mlp_residual"].example(BATCH)
+    assert "TimedBackward" not in _graph_names(pipe(x).grad_fn)
+    with pytest.raises(RuntimeError, match="boom"), fxpipe.record(pipe):
+        assert "TimedBackward" in _graph_names(pipe(x).grad_fn)
+        raise RuntimeError("boom")
+    assert "TimedBackward" not in _graph_names(pipe(x).grad_fn)
     with fxpipe.record(pipe) as tl:
         out = pipe(x)
     out.sum().backward()  # after the block: not recorded
@@ -121,6 +123,49 @@ def test_nothing_is_attached_when_not_recording() -> None:
         assert "TimedBackward" in _graph_names(pipe(x).grad_fn)
 
 
+class _Counting(NullRecorder):
+    """Records nothing, but counts the runs and cells it is told about."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.cells: list[tuple[int, int]] = []
+
+    def begin_run(self) -> None:
+        self.runs += 1
+
+    def cell(
+        self,
+        ij: tuple[int, int],
+        device: torch.device,
+        module: Callable[..., Any],
+        args: tuple[Any, ...],
+        checkpointing: Checkpointing | None,
+        grad: bool,
+    ) -> Callable[[], Any]:
+        self.cells.append(ij)
+        return super().cell(ij, device, module, args, checkpointing, grad)
+
+
+def test_attach_recorder_sees_every_cell_and_refuses_a_second() -> None:
+    pipe = _pipe("never")
+    (x,), _ = ZOO["mlp_residual"].example(BATCH)
+    counting = _Counting()
+    with pipe.attach_recorder(counting):
+        pipe(x)
+        with pytest.raises(ConfigError, match="already being recorded"), fxpipe.record(pipe):
+            pass
+        with pytest.raises(ConfigError, match="already being recorded"):
+            with pipe.attach_recorder(NullRecorder()):
+                pass
+        pipe(x)  # the refusals left the first recorder attached
+    pipe(x)  # detached: not seen
+    assert counting.runs == 2
+    assert sorted(counting.cells) == sorted(2 * [(i, j) for i in range(CHUNKS) for j in range(K)])
+    with fxpipe.record(pipe) as tl:  # free again
+        pipe(x)
+    assert len(tl.of("forward")) == CHUNKS * K
+
+
 def test_nested_recording_and_wrong_argument_are_refused() -> None:
     pipe = _pipe("never")
     with fxpipe.record(pipe), pytest.raises(ConfigError, match="already being recorded"):
@@ -130,6 +175,7 @@ def test_nested_recording_and_wrong_argument_are_refused() -> None:
         fxpipe.record(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_no_grad_records_forward_only() -> None:
     pipe = _pipe("always")
     (x,), _ = ZOO["mlp_residual"].example(BATCH)
@@ -151,11 +197,10 @@ def test_summary_and_measurements() -> None:
     assert tl.bubble() >= (K - 1) / K - 1e-9
     assert tl.device_idle() < tl.bubble()
     assert f"measured bubble:  {100 * tl.bubble():.1f}%" in text
-    assert tl.predicted_bubble() == pytest.approx(
-        fxpipe.views.report.gpipe_prediction(tl.plan, CHUNKS)[0]
-    )
+    assert tl.predicted_bubble() == pytest.approx(tl.plan.gpipe_prediction(CHUNKS)[0])
 
 
+@pytest.mark.slow
 def test_plot_and_chrome_trace(tmp_path: Any) -> None:
     pytest.importorskip("matplotlib")
     tl, _ = _step(_pipe("except_last"))

@@ -15,7 +15,7 @@ from models import ZOO, Case, cases
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.errors import ConfigError, FxPipeError, InputError, TraceError
+from fxpipe.errors import FxPipeError, InputError, TraceError
 from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())
@@ -254,30 +254,6 @@ def test_untraceable_model_raises_trace_error_naming_module_and_line(tracer: str
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_unknown_tracer_is_a_config_error() -> None:
-    case = ZOO["mlp_residual"]
-    args, kwargs = case.example(case.batch)
-    with pytest.raises(ConfigError) as info:
-        trace(case.build(), args, kwargs, tracer="bogus")
-    assert isinstance(info.value, ValueError) and isinstance(info.value, FxPipeError)
-    assert "bogus" in str(info.value)
-
-
-STATE_PARAMS = (
-    [pytest.param(c, "auto", True, id=f"{c.name}-auto-train") for c in ALL]
-    + [
-        pytest.param(ZOO[name], "export", True, id=f"{name}-export-train")
-        for name in ("bn_dropout_buffers", "transformer", "resnet")
-    ]
-    + [
-        pytest.param(
-            ZOO["bn_dropout_buffers"], "export", False, id="bn_dropout_buffers-export-eval"
-        )
-    ]
-)
-
-
-@pytest.mark.parametrize("case, tracer, training", STATE_PARAMS)
 def test_tracing_leaves_the_model_unchanged(case: Case, tracer: str, training: bool) -> None:
     model = case.build().train(training)
     # mixed flags: the first child in the other mode

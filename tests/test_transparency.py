@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.api import Compiled, compile_model
+from fxpipe.options import PlanOptions, RunOptions
 from fxpipe.pipeline import Pipeline
 
 STAGES = (1, 2, 3, 4)
@@ -29,8 +30,17 @@ CHUNKS = (1, 2, 4, 7)
 MODES = ("always", "except_last", "never")
 
 
-def _cases() -> list[tuple[str, int]]:
-    return [(name, k) for name, case in ZOO.items() for k in STAGES if k <= case.max_stages]
+#: The one case of the sweep in the quick subset (``pytest -m "not slow"``).
+QUICK_CASE = ("multi_io_dict", 2)
+
+
+def _cases() -> list[Any]:
+    return [
+        pytest.param(name, k, marks=() if (name, k) == QUICK_CASE else pytest.mark.slow)
+        for name, case in ZOO.items()
+        for k in STAGES
+        if k <= case.max_stages
+    ]
 
 
 @cache
@@ -42,7 +52,11 @@ def _compiled(
     model, twin = _prepared(case, train, dtype), _prepared(case, train, dtype)
     args, kwargs = _example(case, dtype)
     compiled = compile_model(
-        model, args, ["cpu"] * k, example_kwargs=kwargs, cost="flops", tracer=case.tracer
+        model,
+        args,
+        ["cpu"] * k,
+        PlanOptions(cost="flops", tracer=case.tracer),
+        example_kwargs=kwargs,
     )
     return model, compiled, twin
 
@@ -109,17 +123,26 @@ def test_outputs_and_gradients_equal_eager(name: str, k: int) -> None:
     for chunks in CHUNKS:
         for checkpoint in MODES:
             _check(
-                model, twin, compiled.pipeline(model, chunks=chunks, checkpoint=checkpoint), case
+                model,
+                twin,
+                compiled.pipeline(model, RunOptions(chunks=chunks, checkpoint=checkpoint)),
+                case,
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [c.name for c in ZOO.values() if "batchnorm" in c.tags])
 def test_batchnorm_in_train_mode_with_one_chunk(name: str) -> None:
     case = ZOO[name]
     for k in (2, 3):
         model, compiled, twin = _compiled(name, k, True)
         for checkpoint in MODES:
-            _check(model, twin, compiled.pipeline(model, chunks=1, checkpoint=checkpoint), case)
+            _check(
+                model,
+                twin,
+                compiled.pipeline(model, RunOptions(chunks=1, checkpoint=checkpoint)),
+                case,
+            )
         for a, b in zip(model.buffers(), twin.buffers(), strict=True):
             torch.testing.assert_close(a, b)
 
@@ -130,8 +153,8 @@ def test_float32_gradient_within_contract(name: str) -> None:
     within 1e-5 relative error of eager, for 2 stages and 4 chunks."""
     case = ZOO[name]
     model, compiled, twin = _compiled(name, 2, "batchnorm" not in case.tags, torch.float32)
-    pipe = compiled.pipeline(model, chunks=4, checkpoint="except_last")
-    pipe._executor.use_threads = True  # the worker-thread path several devices take
+    pipe = compiled.pipeline(model, RunOptions(chunks=4, checkpoint="except_last"))
+    pipe.use_threads = True  # the worker-thread path several devices take
     args, kwargs = _example(case, torch.float32)
     got, want = pipe(*args, **kwargs), twin(*args, **kwargs)
     for g, w in zip(tree_flatten(got)[0], tree_flatten(want)[0], strict=True):

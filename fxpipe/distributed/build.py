@@ -28,7 +28,8 @@ from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
 from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
-from fxpipe.ir import PipelinePlan, StageProgram
+from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
+from fxpipe.options import PlanOptions
 
 __all__ = ["pipeline_schedule", "SCHEDULES"]
 
@@ -44,7 +45,6 @@ SCHEDULES = (
 )
 _V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})  # rank r holds stages r and 2W - 1 - r
 _INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
-_COSTS = ("flops", "time", "params", "auto")
 _Spec = tuple[tuple[int, ...], torch.dtype, bool]
 
 
@@ -60,8 +60,8 @@ def pipeline_schedule(
     device: Any = None,
     stages_per_rank: int = 1,
     num_stages: int | None = None,
-    cost: str | Callable[[fx.Node], float] = "flops",
-    tracer: str = "auto",
+    cost: CostMode | Callable[[fx.Node], float] = "flops",
+    tracer: TracerName = "auto",
     scale_grads: bool = False,
     slack: float = 0.0,
 ) -> DistributedPipeline:
@@ -89,7 +89,14 @@ def pipeline_schedule(
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
-    kind = _check_options(schedule, n_microbatches, stages_per_rank, cost, scale_grads)
+    kind = _check_options(schedule, n_microbatches, stages_per_rank, scale_grads)
+    options = PlanOptions(
+        cost="flops" if cost == "auto" else cost,
+        tracer=tracer,
+        chunks=n_microbatches,
+        slack=slack,
+        traffic="relay",
+    )
     world = dist.get_world_size(group)
     total = _stage_count(world, stages_per_rank, num_stages)
     target = _default_device(group) if device is None else parse_device(device)
@@ -101,12 +108,12 @@ def pipeline_schedule(
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, n_microbatches)
     devices = [target] * total
     if cost == "time":
-        cost = _measured_costs(
-            lambda: _compile(model, args, kwargs, devices, "time", tracer, n_microbatches, slack),
-            group,
-            target,
+        timed = options
+        measured = _measured_costs(
+            lambda: _compile(model, args, kwargs, devices, timed), group, target
         )
-    compiled = _compile(model, args, kwargs, devices, cost, tracer, n_microbatches, slack)
+        options = replace(options, cost=measured)
+    compiled = _compile(model, args, kwargs, devices, options)
     plan, program = compiled.plan, compiled.program
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
     metas = _stage_metas(model, program, values)
@@ -147,30 +154,16 @@ def _compile(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     devices: list[torch.device],
-    cost: Any,
-    tracer: str,
-    n_microbatches: int,
-    slack: float,
+    options: PlanOptions,
 ) -> Compiled:
     """The relay-mode plan and stage program, with exactly ``len(devices)`` stages."""
-    compiled = compile_model(
-        model,
-        args,
-        devices,
-        cost="flops" if cost == "auto" else cost,
-        tracer=tracer,
-        example_kwargs=kwargs,
-        chunks=n_microbatches,
-        slack=slack,
-        mode="relay",
-        require_present=False,
-    )
+    compiled = compile_model(model, args, devices, options, example_kwargs=kwargs, present=False)
     if compiled.plan.num_stages != len(devices):
         raise PlanError(
             f"the plan has {compiled.plan.num_stages} stages but {len(devices)} were asked "
             "for; use fewer processes or a smaller stages_per_rank"
         )
-    if isinstance(cost, _MeasuredCost):  # measured seconds, not a user's cost function
+    if isinstance(options.cost, _MeasuredCost):  # measured seconds, not a user's cost function
         costs = replace(compiled.plan.costs, mode="time", unit="s")
         compiled = replace(compiled, plan=replace(compiled.plan, costs=costs))
     return compiled
@@ -228,7 +221,7 @@ def _comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch
 
 
 def _check_options(
-    schedule: str, n_microbatches: int, stages_per_rank: int, cost: Any, scale_grads: bool
+    schedule: str, n_microbatches: int, stages_per_rank: int, scale_grads: bool
 ) -> str:
     """The schedule's lower-case name, once every option that needs no peer is checked."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -257,10 +250,6 @@ def _check_options(
     if kind in _V_SHAPED and stages_per_rank != 2:
         raise ConfigError(
             f"schedule={schedule!r} places two stages per rank in a V; pass stages_per_rank=2"
-        )
-    if not callable(cost) and cost not in _COSTS:
-        raise ConfigError(
-            f"cost={cost!r} is not one of {_COSTS} or a callable (node) -> float; pick one of them"
         )
     if not isinstance(scale_grads, bool):
         raise ConfigError(f"scale_grads={scale_grads!r} must be True or False")
@@ -388,7 +377,7 @@ def _check_agreement(
                 f"rank(s) {odd} computed a different {what} than rank 0; call "
                 "pipeline_schedule on every rank with the same model (same construction and "
                 "seed), the same example and the same options, with a cost that is the same "
-                "on every rank ('flops', 'params', 'time' or a deterministic callable)"
+                f"on every rank (one of {PRICING_MODES} or a deterministic callable)"
             )
 
 

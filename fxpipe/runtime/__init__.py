@@ -9,6 +9,8 @@
 - ``copy``: Copy/Wait autograd Functions on copy streams.
 - ``checkpoint``: Checkpoint/Recompute, with the RNG state restored.
 - ``batchnorm``: deferred BatchNorm running statistics.
+- ``recording``: what the executor tells a recorder (nothing is recorded by default), and
+  the Recorder that times every task for ``fxpipe.record``.
 - ``executor``: the Executor that ties them together.
 """
 
@@ -16,11 +18,10 @@ from __future__ import annotations
 
 from fxpipe.runtime.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
-from fxpipe.runtime.executor import CHECKPOINT_MODES, Executor
+from fxpipe.runtime.executor import Executor
 from fxpipe.runtime.microbatch import gather, scatter
 
 __all__ = [
-    "CHECKPOINT_MODES",
     "DeferredBatchNorm",
     "Executor",
     "convert_deferred_batch_norm",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any
 
@@ -28,8 +28,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from fxpipe.model_state import preserved
 from fxpipe.runtime.dependency import fork, join
 from fxpipe.runtime.phony import get_phony
+from fxpipe.runtime.recording import SpanFactory, no_span
 from fxpipe.runtime.stream import normalize_device, use_device
 from fxpipe.runtime.worker import ThreadState, capture_thread_state
 
@@ -39,13 +41,10 @@ __all__ = [
     "Checkpointing",
     "Checkpoint",
     "Recompute",
-    "checkpoint_stage",
 ]
 
 Tensors = tuple[torch.Tensor, ...]
 RNGState = tuple[torch.Tensor, torch.Tensor | None]
-#: ``span(phase)`` times a block as that phase of the cell (see ``runtime.recording``).
-SpanFactory = Callable[[str], AbstractContextManager[None]]
 
 
 class _Flags(threading.local):
@@ -134,32 +133,25 @@ def _batch_norm_buffers(function: Callable[..., Any]) -> list[torch.Tensor]:
     return list(found.values())
 
 
-@contextmanager
 def _keep_batch_norm_stats(
     function: Callable[..., Any], written: Sequence[torch.Tensor] = ()
-) -> Iterator[None]:
+) -> preserved:
     """Undo the running-statistics update of every BatchNorm the recomputation runs.
 
     A BatchNorm in training updates its buffers in place on every call; the first forward
     already did, so the recomputation must not do it again. The same holds for the other
     ``written`` buffers the first forward changed (a graph from torch.export updates
     BatchNorm statistics through plain ops). (Other layers with side effects can check
-    :func:`is_recomputing`.)
+    :func:`is_recomputing`.) The values go back through ``.data``: the recomputed graph
+    saved these buffers, and a version bump would fail its backward.
     """
-    saved = [(b, b.clone()) for b in written]
+    buffers = list(written)
     if isinstance(function, nn.Module):
         for module in function.modules():
             if isinstance(module, _BatchNorm) and module.training:
-                buffers = (module.running_mean, module.running_var, module.num_batches_tracked)
-                saved.extend((b, b.clone()) for b in buffers if b is not None)
-    saved = list({id(b): (b, old) for b, old in saved}.values())
-    try:
-        yield
-    finally:
-        # Through ``.data``: the recomputed graph saved these buffers (training-mode
-        # BatchNorm backward never reads them), and a version bump would fail its backward.
-        for buffer, old in saved:
-            buffer.data.copy_(old)
+                stats = (module.running_mean, module.running_var, module.num_batches_tracked)
+                buffers.extend(b for b in stats if b is not None)
+    return preserved(None, buffers=buffers, rng=False, structure=False)
 
 
 def _is_float(value: Any) -> bool:
@@ -189,13 +181,11 @@ class _Recomputation:
         self.result: tuple[Tensors, Tensors] | None = None
         #: Buffers the first forward wrote into; the recomputation leaves them as they are.
         self.written: list[torch.Tensor] = []
-        #: Times the recompute and the backward while a recorder is attached.
-        self.span: SpanFactory | None = None
+        #: Times the recompute and the backward (a recorder's, while one is attached).
+        self.span: SpanFactory = no_span
 
     def timed(self, phase: str, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)``, timed as ``phase`` when a recorder is attached."""
-        if self.span is None:
-            return function(*args)
         with self.span(phase):
             return function(*args)
 
@@ -338,11 +328,3 @@ class Checkpointing:
         phony = _recompute(phony, self._rec, *self._rec.in_tensors)
         leaves[k] = join(output, phony)
         return tree_unflatten(leaves, spec)
-
-
-def checkpoint_stage(
-    function: Callable[..., Sequence[Any]], *args: Any, device: torch.device | str = "cpu"
-) -> Any:
-    """``function(*args)``, checkpointed GPipe-style in the calling thread."""
-    checkpointing = Checkpointing(function, args, device)
-    return checkpointing.recompute(checkpointing.checkpoint())

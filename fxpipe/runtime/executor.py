@@ -19,13 +19,13 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import ConfigError, InputError, StageError, StageRunError
-from fxpipe.ir import StageProgram
+from fxpipe.ir import CheckpointMode, StageProgram
 from fxpipe.runtime.batchnorm import DeferredBatchNorm
 from fxpipe.runtime.checkpoint import Checkpointing
 from fxpipe.runtime.copy import copy, wait
 from fxpipe.runtime.dependency import fork, join
 from fxpipe.runtime.microbatch import batch_size
-from fxpipe.runtime.recording import Recorder
+from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
 from fxpipe.runtime.schedule import clock_cycles
 from fxpipe.runtime.stream import (
     AbstractStream,
@@ -36,10 +36,7 @@ from fxpipe.runtime.stream import (
 )
 from fxpipe.runtime.worker import InQueue, OutQueue, Result, Task, WorkerPool
 
-__all__ = ["Executor", "CHECKPOINT_MODES"]
-
-#: Accepted values of the ``checkpoint`` option.
-CHECKPOINT_MODES = ("always", "except_last", "never")
+__all__ = ["Executor"]
 
 Env = dict[str, Any]
 Cell = tuple[int, int]
@@ -77,21 +74,18 @@ class Executor:
     checkpointed.
     """
 
-    #: Times every cell while set (``fxpipe.record``); ``None`` costs one test per cell.
-    recorder: Recorder | None = None
+    #: Told about every run, cell and transfer: a ``Recorder`` times them while one is
+    #: attached (``Pipeline.attach_recorder``); ``NO_RECORDER`` runs them as they are.
+    recorder: RunRecorder = NO_RECORDER
 
     def __init__(
         self,
         program: StageProgram,
         devices: Sequence[torch.device | str | int],
-        checkpoint: str = "except_last",
+        checkpoint: CheckpointMode = "except_last",
         *,
         labels: Sequence[str] | None = None,
     ) -> None:
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ConfigError(
-                f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)} (got {checkpoint!r})"
-            )
         if len(devices) != program.num_stages:
             raise ConfigError(
                 f"one device per stage is needed (devices: {len(devices)}, "
@@ -134,8 +128,7 @@ class Executor:
         once the tick it happened in has drained; later ticks never start.
         """
         run = self._start(batches, wanted)
-        if self.recorder is not None:
-            self.recorder.begin_run()
+        self.recorder.begin_run()
         m, n = len(batches), self.program.num_stages
         if not self.use_threads:
             for cells in clock_cycles(m, n):
@@ -271,11 +264,8 @@ class Executor:
         compute_prev, compute_next = current_stream(source), current_stream(dest)
         if is_cuda(prev):
             tensors = wait(tensors, compute_prev, prev)
-        if self.recorder is None:
-            tensors = copy(tensors, prev, nxt)
-        else:
-            move = functools.partial(copy, prev_stream=prev, next_stream=nxt)
-            tensors = self.recorder.transfer(move, tensors, cell, (source, dest), nxt)
+        move = functools.partial(copy, prev_stream=prev, next_stream=nxt)
+        tensors = self.recorder.transfer(move, tensors, cell, (source, dest), nxt)
         if is_cuda(nxt):
             tensors = wait(tensors, nxt, compute_next)
         return tensors
@@ -301,13 +291,7 @@ class Executor:
             args = tuple(run.args.pop((i, j)))
             module, device = self.program.modules[j], self.devices[j]
             checkpointing = Checkpointing(module, args, device) if i < run.stops[j] else None
-            compute = (
-                checkpointing.checkpoint
-                if checkpointing is not None
-                else functools.partial(module, *args)
-            )
-            if recorder is not None:
-                compute = recorder.cell((i, j), device, module, args, checkpointing, run.grad)
+            compute = recorder.cell((i, j), device, module, args, checkpointing, run.grad)
             tasks.append(Task(compute, stream=current_stream(device)))
             pending.append((i, j, checkpointing))
         results: list[Result]

@@ -1,9 +1,11 @@
 """Times what the executor runs (forward, recompute, backward and copy of each cell), on demand.
 
-An :class:`~fxpipe.runtime.executor.Executor` whose ``recorder`` is ``None`` (the default)
-runs exactly as without this module, at the price of an ``is None`` test per cell, per
-cross-device transfer and per checkpointed recompute and backward. With a :class:`Recorder`
-attached:
+The executor tells its recorder (a :class:`RunRecorder`) about every run, cell and
+cross-device transfer, and a checkpointed cell times its recompute and backward with a
+:data:`SpanFactory`. By default both are no-ops (:data:`NO_RECORDER`, :func:`no_span`): a
+cell runs as without this module, at the price of one method call per cell, per transfer
+and per checkpointed recompute and backward. With a :class:`Recorder` attached
+(``Pipeline.attach_recorder``):
 
 - the forward of cell ``(i, j)`` is timed in its worker thread;
 - a cell that is not checkpointed runs inside :class:`Timed`, an autograd Function that
@@ -25,24 +27,113 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.runtime.checkpoint import Checkpointing
 from fxpipe.runtime.phony import get_phony
 from fxpipe.runtime.stream import AbstractStream, is_cuda
 
-__all__ = ["Recorder", "Span", "SpanFactory", "Timed", "PHASES"]
+if TYPE_CHECKING:
+    from fxpipe.runtime.checkpoint import Checkpointing
+
+__all__ = [
+    "RunRecorder",
+    "NullRecorder",
+    "NO_RECORDER",
+    "Recorder",
+    "Span",
+    "SpanFactory",
+    "no_span",
+    "Timed",
+    "PHASES",
+]
 
 #: The phases a span can have, in the order a cell goes through them.
 PHASES = ("forward", "copy", "recompute", "backward")
 
 #: ``span(phase)``: a context manager that times the block as ``phase`` of one cell.
 SpanFactory = Callable[[str], AbstractContextManager[None]]
+
+#: The one context manager :func:`no_span` hands out (``nullcontext`` can be re-entered).
+_NO_SPAN: AbstractContextManager[None] = nullcontext()
+
+
+def no_span(phase: str) -> AbstractContextManager[None]:
+    """The :data:`SpanFactory` that times nothing: the same do-nothing context every call."""
+    return _NO_SPAN
+
+
+class RunRecorder(Protocol):
+    """What the executor calls on every run, cell and transfer (:data:`NO_RECORDER` or a
+    :class:`Recorder`); each hook returns the work to do, which it may wrap."""
+
+    def begin_run(self) -> None:
+        """Called once at the start of every ``Executor.run``."""
+
+    def cell(
+        self,
+        ij: tuple[int, int],
+        device: torch.device,
+        module: Callable[..., Any],
+        args: tuple[Any, ...],
+        checkpointing: Checkpointing | None,
+        grad: bool,
+    ) -> Callable[[], Any]:
+        """The task of cell ``(i, j)``: ``checkpointing.checkpoint`` when the cell is
+        checkpointed, else ``module(*args)``."""
+        ...
+
+    def transfer(
+        self,
+        copy: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
+        tensors: tuple[torch.Tensor, ...],
+        ij: tuple[int, int],
+        route: tuple[torch.device, torch.device],
+        stream: AbstractStream | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """``copy(tensors)``, the transfer of cell ``(i, j)``'s inputs along ``route``
+        (source, destination) on the destination's copy ``stream``."""
+        ...
+
+
+class NullRecorder:
+    """The :class:`RunRecorder` that records nothing: every hook runs the work as it is."""
+
+    def begin_run(self) -> None:
+        """Nothing to count."""
+
+    def cell(
+        self,
+        ij: tuple[int, int],
+        device: torch.device,
+        module: Callable[..., Any],
+        args: tuple[Any, ...],
+        checkpointing: Checkpointing | None,
+        grad: bool,
+    ) -> Callable[[], Any]:
+        """``checkpointing.checkpoint``, or ``module(*args)`` as a call to make later."""
+        if checkpointing is not None:
+            return checkpointing.checkpoint
+        return functools.partial(module, *args)
+
+    def transfer(
+        self,
+        copy: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]],
+        tensors: tuple[torch.Tensor, ...],
+        ij: tuple[int, int],
+        route: tuple[torch.device, torch.device],
+        stream: AbstractStream | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """``copy(tensors)``, untimed."""
+        return copy(tensors)
+
+
+#: The recorder an executor has while nobody records it (shared: it holds no state).
+NO_RECORDER = NullRecorder()
 
 
 @dataclass(frozen=True)
@@ -72,7 +163,8 @@ class _Pending:
 
 
 class Recorder:
-    """Collects :class:`Span` records from the executor's threads and from autograd's."""
+    """The :class:`RunRecorder` that collects :class:`Span` records from the executor's
+    threads and from autograd's."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

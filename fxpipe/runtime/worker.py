@@ -34,7 +34,6 @@ __all__ = [
     "Result",
     "InQueue",
     "OutQueue",
-    "spawn_workers",
     "WorkerPool",
 ]
 
@@ -189,21 +188,3 @@ class WorkerPool:
     @property
     def threads(self) -> list[threading.Thread]:
         return [thread for _, _, thread in self._workers.values()]
-
-
-@contextmanager
-def spawn_workers(
-    devices: Sequence[torch.device | str | int],
-) -> Iterator[tuple[list[InQueue], list[OutQueue]]]:
-    """Start one thread per distinct device; yield in/out queues aligned with ``devices``.
-
-    Equal devices (``cpu`` and ``cpu:0``; ``cuda`` and the current CUDA index) share one
-    thread and one pair of queues, which run tasks in submission order. On exit, also on an
-    exception or KeyboardInterrupt, every thread gets a stop sentinel and is joined (a task
-    in progress finishes first), so no thread outlives the block.
-    """
-    pool = WorkerPool()
-    try:
-        yield pool.queues(devices)
-    finally:
-        pool.close()

@@ -18,15 +18,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import BatchStatisticsWarning, PlanError
-from fxpipe.trace.tracing import Traced, _preserved
-from fxpipe.views.report import module_path
+from fxpipe.model_state import preserved
+from fxpipe.passes.ops import module_path
+from fxpipe.trace.tracing import Traced
 
 __all__ = ["BatchStatistics", "check_micro_batches"]
 
 #: Position of the ``training`` argument of ``F.batch_norm`` and of aten's batch-norm ops.
 _TRAINING_ARG = 5
 #: Frames in these folders are fxpipe's or torch's; a warning points at the first other one.
-_INNER_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+_INNER_DIRS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
 
 
 @dataclass
@@ -124,7 +125,7 @@ def check_micro_batches(traced: Traced, chunks: int, model: nn.Module) -> None:
     if batch is None or chunks < 2:
         return
     parts = min(chunks, batch)
-    with _preserved(model):
+    with preserved(model):
         for size in sorted({-(-batch // parts), batch // parts} - {batch}, reverse=True):
             failure = _failure(gm, values, size)
             if failure is not None and _failure(gm, values, batch) is None:

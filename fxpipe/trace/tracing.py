@@ -30,7 +30,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
-from fxpipe.errors import ConfigError, TraceError
+from fxpipe.errors import TraceError
+from fxpipe.ir import TracerName
+from fxpipe.model_state import preserved
 from fxpipe.passes.cost_model import output_sizes
 from fxpipe.trace.aliasing import mark_aliasing
 from fxpipe.trace.autograd_functions import (
@@ -45,9 +47,7 @@ from fxpipe.trace.recompute import recompute_input_values
 from fxpipe.trace.shapes import replicate_shape_queries
 from fxpipe.trace.trace_errors import trace_error
 
-__all__ = ["Traced", "trace", "TRACERS"]
-
-TRACERS = ("auto", "fx", "export")
+__all__ = ["Traced", "trace"]
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,13 @@ def trace(
     args: Sequence[Any],
     kwargs: Mapping[str, Any] | None = None,
     *,
-    tracer: str = "auto",
+    tracer: TracerName = "auto",
 ) -> Traced:
     """Trace ``model(*args, **kwargs)``; ``tracer`` is "fx", "export" or "auto" (fx, then export).
 
     Raises TraceError naming the module path and the construct when no tracer succeeds.
     The model is not modified.
     """
-    if tracer not in TRACERS:
-        raise ConfigError(f"tracer={tracer!r} is not one of {TRACERS}; pick one of them")
     kwargs = dict(kwargs or {})
     signature = inspect.signature(model.forward)
     bound = bind_arguments(signature, args, kwargs)
@@ -85,7 +83,7 @@ def trace(
     failures: list[tuple[str, BaseException]] = []
     for name in ("fx", "export") if tracer == "auto" else (tracer,):
         try:
-            with _preserved(model) as kept:
+            with preserved(model) as kept:
                 traced = _TRACE[name](model, signature, bound, given)
             if name == "fx" and kept.written:  # fx ran them once, at trace time only
                 raise RuntimeError(
@@ -98,7 +96,7 @@ def trace(
             failures.append((name, e))
             continue
         if traced.tracer == "fx":  # export's aten ops say what they alias and write
-            with _preserved(model), fake_runnable(model):
+            with preserved(model), fake_runnable(model):
                 mark_aliasing(traced.graph_module, traced.example_values)
                 model.train(not model.training)  # the graph follows train()/eval(): both
                 mark_aliasing(traced.graph_module, traced.example_values)
@@ -442,44 +440,3 @@ def _flatten_output(gm: fx.GraphModule, returned: Any = None) -> TreeSpec:
     output.args = (tuple(leaves),)
     gm.recompile()
     return spec
-
-
-class _preserved:
-    """Restore the model's training flags, buffers (the same objects, with the same values)
-    and RNG state after tracing, and drop the attributes tracing added to it (fx keeps a
-    tensor the forward closes over as a new attribute ``_tensor_constant0`` of the model;
-    the graph module holds its own reference)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> _preserved:
-        self.attributes = set(vars(self.model))
-        self.modes = [(m, m.training) for m in self.model.modules()]
-        #: Each module's buffer objects: a forward that assigns a new tensor to a buffer
-        #: (a cache rebuilt for another size) must not leave the traced one in the model.
-        self.held = [(m, dict(m._buffers)) for m in self.model.modules()]
-        self.buffers = [
-            (name, b, b.detach().clone(), b._version)
-            for name, b in self.model.named_buffers()
-            if not b.is_meta
-        ]
-        self.rng = torch.random.get_rng_state()
-        #: Buffers that tracing wrote into (then restored).
-        self.written: list[str] = []
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for m, mode in self.modes:
-            m.training = mode
-        for m, held in self.held:
-            m._buffers.update(held)
-        with torch.no_grad():
-            for name, b, saved, version in self.buffers:
-                if b._version != version:
-                    self.written.append(name)
-                if b.shape == saved.shape:
-                    b.copy_(saved)
-        torch.random.set_rng_state(self.rng)
-        for name in set(vars(self.model)) - self.attributes:
-            delattr(self.model, name)

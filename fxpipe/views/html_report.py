@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fxpipe.errors import FxPipeError
-from fxpipe.views.report import boundary_in, boundary_out, format_bytes, format_cost, stage_span
+from fxpipe.passes.plan import stage_span
+from fxpipe.views.report import boundary_in, boundary_out, format_bytes, format_cost
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fxpipe.devices import device_capacity
 from fxpipe.errors import ConfigError
+from fxpipe.passes.ops import module_path
+from fxpipe.passes.plan import stage_span
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -16,11 +17,8 @@ if TYPE_CHECKING:
 __all__ = [
     "plan_summary",
     "plan_to_dot",
-    "module_path",
-    "stage_span",
     "format_bytes",
     "format_cost",
-    "gpipe_prediction",
     "boundary_in",
     "boundary_out",
     "dot_quote",
@@ -64,52 +62,12 @@ def _percent(part: float, whole: float) -> str:
     return "<0.1%" if 0 < share < 0.1 else f"{share:.1f}%"
 
 
-def module_path(node: fx.Node) -> str:
-    """The module a node belongs to: its target for module calls, the owner of the attribute
-    for ``get_attr``, else the innermost entry of ``nn_module_stack``; ``""`` at the root."""
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "get_attr":
-        owner, _, _ = str(node.target).rpartition(".")
-        return owner
-    stack = node.meta.get("nn_module_stack")
-    if stack and node.op in ("call_function", "call_method"):
-        return str(list(stack.values())[-1][0])
-    return ""
-
-
-def stage_span(plan: PipelinePlan, stage: StagePlan) -> tuple[str, str]:
-    """The first and last module paths a stage covers (node names where it has none)."""
-    nodes = {n.name: n for n in plan.graph_module.graph.nodes}
-    work = [nodes[n] for n in stage.nodes if nodes[n].op not in ("placeholder", "output")]
-    paths = [p for p in (module_path(n) for n in work) if p]
-    if paths:
-        return paths[0], paths[-1]
-    if work:
-        return work[0].name, work[-1].name
-    return "-", "-"
-
-
 def _shorten(text: str, width: int = PATH_WIDTH) -> str:
     """Cut the middle out of ``text`` so it fits ``width``; both ends say the most."""
     if len(text) <= width:
         return text
     head = (width - 3) // 2
     return text[:head] + "..." + text[len(text) - (width - 3 - head) :]
-
-
-def gpipe_prediction(plan: PipelinePlan, chunks: int) -> tuple[float, float]:
-    """(bubble fraction, predicted speedup over one device) for ``chunks`` micro-batches,
-    from the GPipe makespan sum(c_j)/M + (M - 1) max(c_j)/M, no communication term."""
-    m = max(chunks, 1)
-    costs = [s.cost for s in plan.stages]
-    total = sum(costs)
-    if total <= 0:
-        return 0.0, 1.0
-    makespan = total / m + (m - 1) * max(costs) / m
-    busy = total / len(costs)
-    bubble = 1.0 - busy / makespan
-    return bubble, total / makespan
 
 
 def boundary_in(plan: PipelinePlan, j: int) -> int:
@@ -195,10 +153,15 @@ def _table(rows: Sequence[Sequence[str]], head: Sequence[str]) -> list[str]:
 
 def plan_summary(plan: PipelinePlan) -> str:
     """One row per stage, a total row, then balance, traffic, prediction and memory notes."""
-    capacity = device_capacity(plan.devices)
+    capacity = plan.capacities
     rows = [_stage_row(plan, s, capacity[s.index]) for s in plan.stages]
     rows.append(_total_row(plan))
-    return "\n".join([_title(plan), "", *_table(rows, _HEAD), "", *_footer(plan, capacity)])
+    head: Sequence[str] = _HEAD
+    if plan.speeds:  # a column after the device: the cost is the time at that speed
+        head = [*_HEAD[:2], "speed", *_HEAD[2:]]
+        speeds = [f"{v:g}x" for v in plan.speeds]
+        rows = [[*r[:2], speed, *r[2:]] for r, speed in zip(rows, [*speeds, ""])]
+    return "\n".join([_title(plan), "", *_table(rows, head), "", *_footer(plan, capacity)])
 
 
 def _title(plan: PipelinePlan) -> str:
@@ -224,15 +187,24 @@ def _footer(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
     unit, k = plan.costs.unit, plan.num_stages
     worst = max(plan.stages, key=lambda s: s.cost)
     ratio = plan.bottleneck / max(plan.lower_bound, 1e-30)
-    bubble, speedup = gpipe_prediction(plan, plan.chunks)
+    bubble, speedup = plan.gpipe_prediction(plan.chunks)
     sent = sum(e.bytes * len(e.consumers) for e in plan.edges)
     per_micro = sent / max(plan.chunks, 1)
     search = plan.info.get("method", "?")
     seconds = plan.info.get("seconds")
     took = f" in {float(seconds):.2f} s" if isinstance(seconds, (int, float)) else ""
+    bound = f"max of total/{k}, largest node"
+    speeds = []
+    if plan.speeds:
+        bound = "max of total/summed speed, largest node/top speed"
+        speeds = [
+            "speeds:      a stage's cost is its nodes' cost over its device's speed: its time "
+            "there, in units of the speed-1 device"
+        ]
     return [
         f"bottleneck:  stage {worst.index}, {format_cost(plan.bottleneck, unit)} = {ratio:.3f} x "
-        f"the lower bound {format_cost(plan.lower_bound, unit)} (max of total/{k}, largest node)",
+        f"the lower bound {format_cost(plan.lower_bound, unit)} ({bound})",
+        *speeds,
         f"pipeline:    chunks={plan.chunks}: predicted bubble {100 * bubble:.1f}%, "
         f"speedup {speedup:.2f}x over one device (GPipe, transfers not counted)",
         f"boundaries:  {len(plan.edges)} values, {format_bytes(sent)} per batch "

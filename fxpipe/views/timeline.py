@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fxpipe.errors import ConfigError
+from fxpipe.pipeline import Pipeline
 from fxpipe.runtime.recording import PHASES, Recorder, Span
-from fxpipe.views.report import format_cost, gpipe_prediction
+from fxpipe.views.report import format_cost
 
 if TYPE_CHECKING:
     from fxpipe.ir import PipelinePlan
-    from fxpipe.pipeline import Pipeline
 
 __all__ = ["record", "Timeline", "TaskRecord", "PHASES"]
 
@@ -83,8 +84,7 @@ class Timeline:
     """
 
     def __init__(self, pipe: Pipeline) -> None:
-        executor = getattr(pipe, "_executor", None)
-        if executor is None or not hasattr(pipe, "plan"):
+        if not isinstance(pipe, Pipeline):
             raise ConfigError(
                 f"fxpipe.record() takes the Pipeline that fxpipe.pipeline() returned, "
                 f"not a {type(pipe).__name__}"
@@ -94,20 +94,23 @@ class Timeline:
         self.chunks: int = pipe.chunks
         self.checkpoint: str = pipe.checkpoint
         self.tasks: list[TaskRecord] = []
-        self._executor = executor
+        self._pipe = pipe
         self._recorder: Recorder | None = None
+        #: Detaches the recorder from the pipeline (empty outside a block).
+        self._detach = ExitStack()
 
     def __enter__(self) -> Timeline:
-        if self._executor.recorder is not None:
-            raise ConfigError("this pipeline is already being recorded; nest no fxpipe.record()")
         recorder = Recorder()
-        recorder.start(self._executor.devices)
+        with ExitStack() as attached:
+            # Refuses a second recording of the pipeline (ConfigError).
+            attached.enter_context(self._pipe.attach_recorder(recorder))
+            recorder.start(self._pipe.devices)
+            self._detach = attached.pop_all()
         self._recorder = recorder
-        self._executor.recorder = recorder
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._executor.recorder = None
+        self._detach.close()
         if self._recorder is not None:
             self.tasks = _records(self._recorder.close())
             self._recorder = None
@@ -160,7 +163,7 @@ class Timeline:
 
     def predicted_bubble(self) -> float:
         """The plan's GPipe bubble for this run's chunks (one device per stage, no transfers)."""
-        return gpipe_prediction(self.plan, self.chunks)[0]
+        return self.plan.gpipe_prediction(self.chunks)[0]
 
     def headline(self) -> str:
         """One line on idle time that says what it is a share of; the chart's subtitle."""

@@ -11,9 +11,9 @@ from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fxpipe.devices import device_capacity
 from fxpipe.errors import ConfigError, FxPipeError
-from fxpipe.views.report import format_bytes, format_cost, plan_to_dot, stage_span
+from fxpipe.passes.plan import stage_span
+from fxpipe.views.report import format_bytes, format_cost, plan_to_dot
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -208,7 +208,7 @@ def _memory_panel(ax: Axes, plan: PipelinePlan) -> None:
     bars = ax.bar(xs, memory, color="#9fc89a", edgecolor="#333333", width=0.6)
     ax.bar_label(bars, labels=[format_bytes(m) for m in memory], fontsize=8, padding=2)
     ax.set_yscale("log")
-    capacity = device_capacity(plan.devices)
+    capacity = plan.capacities
     _capacity_lines(ax, plan, capacity)
     ax.set_ylim(min(memory) / 4, max([*memory, *(c for c in capacity if c)]) * 8)
     ax.yaxis.set_major_locator(LogLocator(base=1024, subs=(1.0, 32.0)))

@@ -6,8 +6,9 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import stage_costs
 
-from fxpipe.passes.dp import min_bytes_split, min_max_split, stage_costs
+from fxpipe.passes.dp import min_bytes_split, min_max_split
 
 INF = float("inf")
 

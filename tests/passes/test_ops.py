@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
+from helpers import sweep
 from oracle import relative_error
 from torch import nn
 
@@ -63,7 +64,7 @@ def test_regions_of_a_graph_without_state_changes_are_empty() -> None:
     assert stateful_regions(gm.graph) == []
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+@pytest.mark.parametrize("stages", sweep([2, 3, 4, 5]))
 @pytest.mark.parametrize("cost", ["time", "flops"])
 def test_vmap_region_pipelines_like_eager(stages: int, cost: str) -> None:
     model = VmapInside().double()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from models import ZOO
 from torch import nn
 
 from fxpipe.api import compile_model
+from fxpipe.options import PlanOptions
 from fxpipe.passes.placement import place_graph
 
 META = torch.device("meta")
@@ -51,6 +53,7 @@ def test_every_device_constant_is_replaced() -> None:
     assert out.device == META and out.shape == (2, 5)
 
 
+@pytest.mark.slow
 def test_export_stages_make_their_tensors_on_their_device() -> None:
     """torch.export records the example's device in factory calls (the Llama's position
     table, its causal mask); each stage module gets its own device instead. Stages planned
@@ -59,13 +62,21 @@ def test_export_stages_make_their_tensors_on_their_device() -> None:
     model = case.build()
     args, kwargs = case.example(case.batch)
     compiled = compile_model(
-        model, args, ["cpu", "cpu"], example_kwargs=kwargs, cost="flops", tracer="export"
+        model,
+        args,
+        ["cpu", "cpu"],
+        PlanOptions(cost="flops", tracer="export"),
+        example_kwargs=kwargs,
     )
     traced = _devices_in(compiled.plan.graph_module.graph)
     assert traced == {torch.device("cpu")}, "the traced graph keeps the example's device"
     for stage in compiled.program.modules:
         assert _devices_in(stage.graph) <= {torch.device("cpu")}
     moved = compile_model(
-        model, args, ["cpu", "meta"], example_kwargs=kwargs, cost="flops", tracer="export"
+        model,
+        args,
+        ["cpu", "meta"],
+        PlanOptions(cost="flops", tracer="export"),
+        example_kwargs=kwargs,
     )
     assert any(_devices_in(m.graph) == {META} for m in moved.program.modules)

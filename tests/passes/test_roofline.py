@@ -13,13 +13,13 @@ from models import ZOO, Case
 from torch import nn
 
 import fxpipe
-from fxpipe.api import _FakeRun
 from fxpipe.ir import CostTable
 from fxpipe.passes import cost_model
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.recorded import recorded_outputs, recorded_shapes
 from fxpipe.passes.roofline import ROOFLINES, Roofline, Work
 from fxpipe.passes.shape_only import same_shape_output
+from fxpipe.trace.example_checks import _FakeRun
 from fxpipe.trace.tracing import Traced, trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,6 +73,7 @@ def test_recorded_outputs_at_two_batch_sizes_match_fake_runs(case: Case) -> None
         ]
 
 
+@pytest.mark.slow
 def test_roofline_pricing_reads_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing is timed, so the costs cannot depend on the machine's load."""
     t = exported("llama")
@@ -90,6 +91,7 @@ def test_roofline_pricing_reads_no_clock(monkeypatch: pytest.MonkeyPatch) -> Non
         assert table.unit == "s" and sum(c.cost for c in table.nodes.values()) > 0
 
 
+@pytest.mark.slow
 def test_costs_do_not_depend_on_torch_threads() -> None:
     case = ZOO["transformer"]
     args, kwargs = case.example(case.batch)
@@ -153,6 +155,7 @@ def _recorder(seen: list[tuple[int, int]]) -> Callable[[int, int], None]:
     return lambda done, total: seen.append((done, total))
 
 
+@pytest.mark.slow
 def test_progress_reports_every_node_once_in_order() -> None:
     for traced in (exported("llama"), trace(ZOO["resnet"].build(), ZOO["resnet"].example(4)[0])):
         seen: list[tuple[int, int]] = []
@@ -164,6 +167,7 @@ def test_progress_reports_every_node_once_in_order() -> None:
         assert [d for d, _ in seen] == sorted({d for d, _ in seen})
 
 
+@pytest.mark.slow
 def test_the_default_cost_is_the_roofline_in_seconds() -> None:
     case = ZOO["transformer"]
     args, kwargs = case.example(case.batch)
@@ -175,6 +179,7 @@ def test_the_default_cost_is_the_roofline_in_seconds() -> None:
     assert again.stage_of == plan.stage_of and again.node_cost == plan.node_cost
 
 
+@pytest.mark.slow
 def test_meta_and_cuda_stages_are_priced_for_a_gpu() -> None:
     case = ZOO["mlp_residual"]
     args, _ = case.example(case.batch)

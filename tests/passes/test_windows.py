@@ -9,12 +9,13 @@ import networkx as nx
 import numpy as np
 import pytest
 from dags import bottleneck, check_valid, random_dag
+from helpers import coarsen, sweep
 
 from fxpipe.passes.dp import min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
 from fxpipe.passes.partition import EXACT_LIMIT, partition_graph
 from fxpipe.passes.units import Units, build_units
-from fxpipe.passes.windows import coarsen, coarsen_near_borders
+from fxpipe.passes.windows import coarsen_near_borders
 
 CASES = [(seed, 6 + seed % 20, (2, 3, 4, 6)[seed % 4]) for seed in range(40)]
 
@@ -84,7 +85,7 @@ def test_windows_grow_until_the_ideal_limit() -> None:
     assert every is not None and len(large[2]) == len(every)
 
 
-@pytest.mark.parametrize("seed, n, k", CASES)
+@pytest.mark.parametrize("seed, n, k", sweep(CASES, quick=4))
 def test_order_search_with_windows(seed: int, n: int, k: int) -> None:
     g = _weighted_dag(seed, n)
     try:
@@ -103,6 +104,7 @@ def test_order_search_with_windows(seed: int, n: int, k: int) -> None:
         assert whole.bottleneck == pytest.approx(exact.bottleneck)
 
 
+@pytest.mark.slow
 def test_windows_again_around_the_new_borders_only_improve(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
+from helpers import checkpoint_stage
 from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from fxpipe.runtime.checkpoint import checkpoint_stage
 
 
 def _tilted(batch: int) -> torch.Tensor:

@@ -8,15 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import checkpoint_stage, spawn_workers
 from torch import nn
 
-from fxpipe.runtime.checkpoint import (
-    Checkpointing,
-    checkpoint_stage,
-    is_checkpointing,
-    is_recomputing,
-)
-from fxpipe.runtime.worker import Task, spawn_workers
+from fxpipe.runtime.checkpoint import Checkpointing, is_checkpointing, is_recomputing
+from fxpipe.runtime.worker import Task
 
 
 def _grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

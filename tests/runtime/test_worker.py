@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import spawn_workers
 from threads import live_threads
 
-from fxpipe.runtime.worker import Task, WorkerPool, capture_thread_state, spawn_workers
+from fxpipe.runtime.worker import Task, WorkerPool, capture_thread_state
 
 
 def _workers() -> set[threading.Thread]:

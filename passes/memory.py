@@ -1,0 +1,510 @@
+"""A stage's training memory as the partitioner prices it: per split, per ideal pair, per segment.
+
+The estimate is :func:`fxpipe.passes.plan.stage_memory`'s, term for term, so that a split the
+search accepts is one the plan accepts:
+
+- ``PARAM_COPIES`` x the bytes of the parameters the stage holds (a tensor that several
+  nodes of the stage hold counts once);
+- ``saved_coef[j]`` x the bytes its nodes keep for backward;
+- ``input_coef[j]`` x the bytes of the boundary values it receives;
+
+the coefficients set by ``chunks`` and ``checkpoint`` (:func:`memory_terms`). Most bytes
+belong to one unit and add up over a stage. The rest are *spread*: a parameter several
+units hold (tied weights), a ``get_attr`` node's bytes (it lives in the stage of its first
+reader), a placeholder's (first stage) or the output's (last stage); such an item is in
+every stage that holds the first of one of its holders. A received value is in every stage
+that reads it but does not make it (a model input is made in the first stage).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import torch
+import torch.fx as fx
+
+from fxpipe.ir import CheckpointMode, CostTable
+
+__all__ = [
+    "PARAM_COPIES",
+    "MODEL_INPUT",
+    "FIRST_READER",
+    "MemoryModel",
+    "Entering",
+    "UnitMemory",
+    "IdealMemory",
+    "OrderMemory",
+    "checkpointed",
+    "memory_terms",
+    "memory_model",
+    "unit_memory",
+]
+
+#: Copies of each parameter a training step holds: weight, gradient, two Adam moments.
+PARAM_COPIES = 4
+#: Producer codes of a received value: a model input (made in the first stage), or a
+#: ``get_attr`` value (made in the stage of its first reader).
+MODEL_INPUT, FIRST_READER = -1, -2
+#: Holder codes of a spread item: the first stage, the last stage.
+FIRST_STAGE, LAST_STAGE = -1, -2
+
+
+def checkpointed(chunks: int, checkpoint: str, *, last: bool) -> int:
+    """How many of ``chunks`` micro-batches a stage checkpoints in training."""
+    count = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
+    if last and checkpoint == "except_last":
+        count = chunks - 1
+    return count
+
+
+def memory_terms(chunks: int, checkpoint: str, *, last: bool) -> tuple[float, float]:
+    """(saved_coef, input_coef): the multiples of a stage's saved bytes and received bytes
+    (both for the whole example batch) in its training memory."""
+    scale = 1.0 / max(chunks, 1)
+    count = checkpointed(chunks, checkpoint, last=last)
+    saved = (chunks - count) * scale + (scale if count else 0.0)
+    return saved, count * scale
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The memory budgets a split must fit and what each node adds to its stage's memory."""
+
+    #: Bytes each stage position may use (None: not checked); stages on one device share it.
+    budgets: tuple[int | None, ...]
+    #: The device of each stage position, as text: stages with the same text share a budget.
+    devices: tuple[str, ...]
+    chunks: int
+    checkpoint: CheckpointMode
+    #: Example batch size the bytes were measured at.
+    batch: int
+    #: Node name -> bytes it keeps for backward (the non-zero ones).
+    saved: Mapping[str, int]
+    #: One entry per parameter tensor: (bytes, names of the nodes that hold it).
+    params: tuple[tuple[int, tuple[str, ...]], ...]
+
+    def device_groups(self) -> dict[str, list[int]]:
+        """Device -> its stage positions, in order."""
+        groups: dict[str, list[int]] = {}
+        for j, d in enumerate(self.devices):
+            groups.setdefault(d, []).append(j)
+        return groups
+
+
+def memory_model(
+    gm: fx.GraphModule,
+    costs: CostTable,
+    devices: Sequence[torch.device],
+    budgets: Sequence[int | None],
+    *,
+    chunks: int,
+    checkpoint: CheckpointMode,
+) -> MemoryModel | None:
+    """What the search needs to keep each device under its budget; None when no device has
+    one (nothing to check)."""
+    if all(b is None for b in budgets):
+        return None
+    holders: dict[int, tuple[int, list[str]]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            tensors = list(gm.get_submodule(str(node.target)).parameters())
+        elif node.op == "get_attr":
+            value = attrgetter(str(node.target))(gm)
+            tensors = [value] if isinstance(value, torch.nn.Parameter) else []
+        else:
+            continue
+        for p in tensors:
+            entry = holders.setdefault(id(p), (p.numel() * p.element_size(), []))
+            entry[1].append(node.name)
+    return MemoryModel(
+        budgets=tuple(budgets),
+        devices=tuple(str(d) for d in devices),
+        chunks=chunks,
+        checkpoint=checkpoint,
+        batch=costs.batch_size,
+        saved={n: c.saved_bytes for n, c in costs.nodes.items() if c.saved_bytes},
+        params=tuple((size, tuple(names)) for size, names in holders.values()),
+    )
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Bytes in every stage that holds the first unit of one of ``holders``."""
+
+    bytes: int
+    #: Parameter bytes (x PARAM_COPIES), else saved bytes.
+    param: bool
+    #: Unit sets, or ``(FIRST_STAGE,)`` / ``(LAST_STAGE,)``.
+    holders: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Entering:
+    """A value other units read: received by each stage that reads it and does not make it."""
+
+    bytes: int
+    #: Unit id, MODEL_INPUT or FIRST_READER (made where its first reader is).
+    producer: int
+    readers: tuple[int, ...]
+    #: The model output reads it (in the last stage).
+    to_output: bool
+
+
+@dataclass(frozen=True)
+class UnitMemory:
+    """Training memory of any stage of a unit DAG split into ``k`` stages."""
+
+    k: int
+    chunks: int
+    checkpoint: str
+    #: Parameter bytes held by one unit only, per unit.
+    param_add: np.ndarray
+    #: Saved bytes of one unit only, per unit.
+    saved_add: np.ndarray
+    spread: tuple[Spread, ...] = ()
+    values: tuple[Entering, ...] = ()
+    #: Activation bytes (saved and received) are multiplied by this (a smaller batch).
+    activations: float = 1.0
+    #: The per-ideal-pair tables already made, by the ideals (and coefficients) they were
+    #: made for; the raw bytes do not depend on ``k``, ``chunks``, ``checkpoint`` or
+    #: ``activations``, so copies made by ``dataclasses.replace`` share them.
+    _tables: dict[tuple[Any, ...], tuple[np.ndarray, IdealMemory]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @property
+    def num_units(self) -> int:
+        return len(self.param_add)
+
+    def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
+        """(saved_coef, input_coef) of each stage position."""
+        terms = [
+            memory_terms(self.chunks, self.checkpoint, last=j == self.k - 1) for j in range(self.k)
+        ]
+        saved = np.array([s for s, _ in terms]) * self.activations
+        inputs = np.array([i for _, i in terms]) * self.activations
+        return saved, inputs
+
+    # ------------------------------------------------------------------ one split
+
+    def parts(self, unit_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(parameter bytes x copies, activation bytes) of each stage of ``unit_stage``."""
+        k = self.k
+        params = np.bincount(unit_stage, weights=self.param_add, minlength=k)
+        saved = np.bincount(unit_stage, weights=self.saved_add, minlength=k)
+        for item in self.spread:
+            for j in {self._holder_stage(h, unit_stage) for h in item.holders}:
+                if item.param:
+                    params[j] += item.bytes
+                else:
+                    saved[j] += item.bytes
+        received = np.zeros(k)
+        for v in self.values:
+            reading = {int(unit_stage[r]) for r in v.readers}
+            if v.to_output:
+                reading.add(k - 1)
+            if v.producer == MODEL_INPUT:
+                made = 0
+            elif v.producer == FIRST_READER:
+                made = min(int(unit_stage[r]) for r in v.readers)
+            else:
+                made = int(unit_stage[v.producer])
+            for j in reading - {made}:
+                received[j] += v.bytes
+        saved_coef, input_coef = self.coefficients()
+        return PARAM_COPIES * params, saved_coef * saved + input_coef * received
+
+    def stage_bytes(self, unit_stage: np.ndarray) -> np.ndarray:
+        """Estimated training memory of each stage of ``unit_stage`` (stage ids 0..k-1)."""
+        params, activations = self.parts(unit_stage)
+        return np.asarray(params + activations)
+
+    def _holder_stage(self, holder: tuple[int, ...], unit_stage: np.ndarray) -> int:
+        if holder == (FIRST_STAGE,):
+            return 0
+        if holder == (LAST_STAGE,):
+            return self.k - 1
+        return min(int(unit_stage[u]) for u in holder)
+
+    # ------------------------------------------------------------------ coarser units
+
+    def coarsen(self, of_unit: np.ndarray, values: Iterable[Entering]) -> UnitMemory:
+        """The same memory on coarse units (``of_unit[u]``: the coarse unit of unit u);
+        ``values``: the received values seen on the coarse units."""
+        count = int(of_unit.max()) + 1 if len(of_unit) else 0
+        param_add = np.bincount(of_unit, weights=self.param_add, minlength=count)
+        saved_add = np.bincount(of_unit, weights=self.saved_add, minlength=count)
+        spread = []
+        for item in self.spread:
+            holders = tuple(
+                sorted({h if h[0] < 0 else tuple(sorted({int(of_unit[u]) for u in h}))
+                        for h in item.holders})
+            )  # fmt: skip
+            if len(holders) == 1 and len(holders[0]) == 1 and holders[0][0] >= 0:
+                target = param_add if item.param else saved_add
+                target[holders[0][0]] += item.bytes
+            else:
+                spread.append(Spread(item.bytes, item.param, holders))
+        return UnitMemory(
+            self.k,
+            self.chunks,
+            self.checkpoint,
+            param_add,
+            saved_add,
+            tuple(spread),
+            tuple(values),
+            self.activations,
+        )
+
+    # ------------------------------------------------------------------ ideals
+
+    def on_ideals(self, ideals: np.ndarray) -> IdealMemory:
+        """The memory of every stage ``I - J`` of the ideals (rows ordered by size, as
+        :func:`fxpipe.passes.ideals.enumerate_ideals` returns them)."""
+        saved_coef, input_coef = self.coefficients()
+        key = (id(ideals), tuple(saved_coef), tuple(input_coef))
+        cached = self._tables.get(key)
+        if cached is not None and cached[0] is ideals:
+            return cached[1]
+        base = self._tables.get((id(ideals),))
+        if base is None or base[0] is not ideals:
+            self._tables.clear()
+            params, saved, received = self._ideal_tables(ideals)
+            base = (ideals, IdealMemory(PARAM_COPIES * params, saved, received, saved_coef,
+                                        input_coef, len(ideals)))  # fmt: skip
+            self._tables[(id(ideals),)] = base
+        raw = base[1]
+        table = IdealMemory(raw.params, raw.saved, raw.received, saved_coef, input_coef, raw.count)
+        self._tables[key] = (ideals, table)
+        return table
+
+    def _ideal_tables(self, ideals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Parameter, saved and received bytes of every stage ``I - J``."""
+        rows = ideals.astype(np.float64)
+        p_in, s_in = rows @ self.param_add, rows @ self.saved_add
+        params = p_in[:, None] - p_in[None, :]
+        saved = s_in[:, None] - s_in[None, :]
+        for item in self.spread:
+            marks = np.stack([self._holder_in(h, ideals) for h in item.holders], axis=1)
+            _, pattern = np.unique(marks, axis=0, return_inverse=True)
+            pattern = pattern.reshape(-1)
+            held = pattern[:, None] != pattern[None, :]  # some holder starts in I - J
+            (params if item.param else saved)[...] += item.bytes * held
+        return params, saved, _received_on_ideals(ideals, self.values)
+
+    @staticmethod
+    def _holder_in(holder: tuple[int, ...], ideals: np.ndarray) -> np.ndarray:
+        """Which ideals hold the first unit of ``holder`` (any of its units)."""
+        count = len(ideals)
+        if holder == (FIRST_STAGE,):
+            return np.asarray(np.arange(count) > 0)  # row 0 is the empty ideal
+        if holder == (LAST_STAGE,):
+            return np.asarray(np.arange(count) == count - 1)  # the last row is the full one
+        return np.asarray(ideals[:, list(holder)].any(axis=1))
+
+    # ------------------------------------------------------------------ one order
+
+    def on_order(self, order: Sequence[int]) -> OrderMemory:
+        """The memory of every segment of ``order`` (a topological order of the units)."""
+        num = len(order)
+        position = np.empty(self.num_units, dtype=np.int64)
+        position[np.asarray(order, dtype=np.int64)] = np.arange(num)
+        events: list[list[tuple[int, int, float]]] = [[] for _ in range(num)]
+        for item in self.spread:
+            kind = 0 if item.param else 1
+            firsts = sorted({self._holder_position(h, position, num) for h in item.holders})
+            before = -1
+            for q in firsts:
+                events[q].append((kind, before, float(item.bytes)))
+                before = q
+        for v in self.values:
+            reads = {int(position[r]) for r in v.readers}
+            if v.to_output:
+                reads.add(num - 1)
+            if v.producer == MODEL_INPUT:
+                made = 0  # in the stage that starts at 0: received by any later one
+            elif v.producer == FIRST_READER:
+                made = min(int(position[r]) for r in v.readers)
+            else:
+                made = int(position[v.producer])
+            before = made
+            for r in sorted(p for p in reads if p > made):
+                events[r].append((2, before, float(v.bytes)))
+                before = r
+        order_array = np.asarray(order, dtype=np.int64)
+        params = np.concatenate([[0.0], np.cumsum(self.param_add[order_array])])
+        saved = np.concatenate([[0.0], np.cumsum(self.saved_add[order_array])])
+        saved_coef, input_coef = self.coefficients()
+        return OrderMemory(PARAM_COPIES * params, saved, events, saved_coef, input_coef)
+
+    def _holder_position(self, holder: tuple[int, ...], position: np.ndarray, num: int) -> int:
+        if holder == (FIRST_STAGE,):
+            return 0
+        if holder == (LAST_STAGE,):
+            return num - 1
+        return min(int(position[u]) for u in holder)
+
+
+@dataclass(frozen=True)
+class IdealMemory:
+    """Memory of stage ``I - J`` for every pair of ideals (J a subset of I)."""
+
+    #: PARAM_COPIES x parameter bytes, saved bytes and received bytes, each [I, J].
+    params: np.ndarray
+    saved: np.ndarray
+    received: np.ndarray
+    saved_coef: np.ndarray
+    input_coef: np.ndarray
+    count: int
+
+    _stages: dict[tuple[float, float], np.ndarray] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def stage(self, j: int) -> np.ndarray:
+        """``out[I, J]``: the memory of stage ``I - J`` at position j (do not modify it)."""
+        key = (float(self.saved_coef[j]), float(self.input_coef[j]))
+        if key not in self._stages:
+            self._stages[key] = np.asarray(
+                self.params + key[0] * self.saved + key[1] * self.received
+            )
+        return self._stages[key]
+
+
+class OrderMemory:
+    """Memory of every segment ``[s, t)`` of one order, swept by segment end ``t``.
+
+    Call :meth:`advance` with t = 1, 2, ..., N in turn; then :meth:`stage` gives the memory
+    of ``[s, t)`` for a range of starts s. The spread and received bytes of every start are
+    kept in vectors, updated as each item joins the segment's end."""
+
+    def __init__(
+        self,
+        params: np.ndarray,
+        saved: np.ndarray,
+        events: list[list[tuple[int, int, float]]],
+        saved_coef: np.ndarray,
+        input_coef: np.ndarray,
+    ) -> None:
+        num = len(events)
+        self.prefix_params = params  # PARAM_COPIES x prefix sums of the one-unit bytes
+        self.prefix_saved = saved
+        self.saved_coef = saved_coef
+        self.input_coef = input_coef
+        self._events = events
+        self._vectors = np.zeros((3, num + 1))  # spread params, spread saved, received
+        self._t = 0
+
+    def reset(self) -> None:
+        """Start a new sweep."""
+        self._vectors[:] = 0.0
+        self._t = 0
+
+    def advance(self, t: int) -> None:
+        """Add the item at position ``t - 1`` to the end of every segment."""
+        if t != self._t + 1:
+            raise ValueError(f"advance({t}) after advance({self._t}): sweep t = 1, 2, ...")
+        self._t = t
+        for kind, before, size in self._events[t - 1]:
+            self._vectors[kind, before + 1 : t] += size * (PARAM_COPIES if kind == 0 else 1)
+
+    def additive(self, j: int) -> np.ndarray:
+        """The one-unit part of a segment's memory at position j, as prefix sums: the
+        segment ``[s, t)`` holds at least ``out[t] - out[s]`` bytes."""
+        return np.asarray(self.prefix_params + self.saved_coef[j] * self.prefix_saved)
+
+    def stage(self, start: int, j: int, stop: int | None = None) -> np.ndarray:
+        """Memory at position j of the segments ``[s, t)`` for s = start .. stop - 1
+        (default: t - 1)."""
+        t = self._t
+        end = t if stop is None else stop
+        params, saved, received = self._vectors[:, start:end]
+        p = self.prefix_params[t] - self.prefix_params[start:end] + params
+        s = self.prefix_saved[t] - self.prefix_saved[start:end] + saved
+        return np.asarray(p + self.saved_coef[j] * s + self.input_coef[j] * received)
+
+
+def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering]) -> np.ndarray:
+    """``out[I, J]``: bytes stage ``I - J`` receives: values made in J and read in I - J.
+
+    With ``c(I)`` the number of v's readers in I (the output reads in the full ideal only),
+    v enters ``I - J`` when it is made in J and ``c(I) > c(J)``: the sum over ``c`` of
+    ``[c(J) = c, made in J] [c(I) > c]``, rank-one terms, so one matrix product."""
+    count = len(ideals)
+    last = np.zeros(count, dtype=np.int64)
+    last[-1] = 1
+    grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
+    for v in values:
+        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
+    receives, sends = [], []
+    for (producer, readers, to_output), size in grouped.items():
+        if producer == MODEL_INPUT:
+            made = np.arange(count) > 0  # the first stage holds the inputs
+        elif producer == FIRST_READER:
+            made = np.asarray(ideals[:, list(readers)].any(axis=1))
+        else:
+            made = np.asarray(ideals[:, producer])
+        inside = ideals[:, list(readers)].sum(axis=1) + (last if to_output else 0)
+        for c in range(len(readers) + to_output):
+            receives.append(inside > c)
+            sends.append(size * (made & (inside == c)))
+    if not receives:
+        return np.zeros((count, count))
+    return np.asarray(np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T)
+
+
+def unit_memory(
+    model: MemoryModel,
+    g: nx.DiGraph,
+    unit_of: Mapping[str, int],
+    num_units: int,
+    values: Iterable[Entering],
+) -> UnitMemory:
+    """``model`` on the units of ``g`` (``unit_of``: compute node -> unit)."""
+    param_add = np.zeros(num_units)
+    saved_add = np.zeros(num_units)
+    spread: list[Spread] = []
+
+    def holder(name: str) -> tuple[int, ...]:
+        if name in unit_of:
+            return (unit_of[name],)
+        op = g.nodes[name]["op"]
+        if op == "get_attr":  # lives in the stage of its first reader
+            readers = sorted({unit_of[v] for v in g.successors(name) if v in unit_of})
+            if readers:
+                return tuple(readers)
+            if any(g.nodes[v]["op"] == "output" for v in g.successors(name)):
+                return (LAST_STAGE,)
+        return (LAST_STAGE,) if op == "output" else (FIRST_STAGE,)
+
+    for name, size in model.saved.items():
+        if name not in g:
+            continue
+        h = holder(name)
+        if len(h) == 1 and h[0] >= 0:
+            saved_add[h[0]] += size
+        else:
+            spread.append(Spread(size, False, (h,)))
+    for size, names in model.params:
+        holders = tuple(sorted({holder(n) for n in names if n in g}))
+        if not holders:
+            continue
+        if len(holders) == 1 and len(holders[0]) == 1 and holders[0][0] >= 0:
+            param_add[holders[0][0]] += size
+        else:
+            spread.append(Spread(size, True, holders))
+    return UnitMemory(
+        k=len(model.budgets),
+        chunks=model.chunks,
+        checkpoint=model.checkpoint,
+        param_add=param_add,
+        saved_add=saved_add,
+        spread=tuple(spread),
+        values=tuple(values),
+    )

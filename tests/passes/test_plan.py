@@ -1,0 +1,56 @@
+"""The plan keeps the device capacities it was made for: the summary reads the same on every
+machine, and a plan that cannot fit them is refused with the figures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from models import ZOO
+
+import fxpipe
+import fxpipe.api
+from fxpipe.devices import device_capacity
+from fxpipe.errors import MemoryPlanError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _plan(devices: list[str]) -> fxpipe.PipelinePlan:
+    case = ZOO["mlp_residual"]
+    args, kwargs = case.example(case.batch)
+    return fxpipe.plan(case.build(), args, devices, example_kwargs=kwargs, cost="flops")
+
+
+@pytest.mark.slow
+def test_the_plan_keeps_the_capacities_it_was_made_for() -> None:
+    cpu = _plan(["cpu", "cpu"])
+    assert cpu.capacities == tuple(device_capacity([torch.device("cpu")] * 2))
+    assert all(c is not None and c > 0 for c in cpu.capacities)
+    assert _plan(["meta", "meta"]).capacities == (None, None)
+
+
+def test_the_summary_asks_no_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(["cpu", "cpu"])
+    before = str(plan)
+
+    def absent(*_: object) -> int:
+        raise AssertionError("the summary asked the machine for its memory")
+
+    monkeypatch.setattr(os, "sysconf", absent)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", absent)
+    assert str(plan) == before
+    assert "%" in before  # memory shown against the capacity the plan was made for
+
+
+def test_stages_that_share_a_device_share_its_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(["cpu", "cpu"])
+    need = sum(s.memory_bytes for s in plan.stages)
+    largest = max(s.memory_bytes for s in plan.stages)
+    # Each stage alone fits, both together do not: refused, with the figures.
+    budget = (largest + need) // 2
+    assert largest < budget < need
+    monkeypatch.setattr(fxpipe.api, "device_capacity", lambda ds: [budget] * len(ds))
+    with pytest.raises(MemoryPlanError, match=r"cpu: needs ~.* GiB for stages \[0, 1\]"):
+        _plan(["cpu", "cpu"])
