@@ -254,6 +254,21 @@ def test_untraceable_model_raises_trace_error_naming_module_and_line(tracer: str
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+STATE_PARAMS = (
+    [pytest.param(c, "auto", True, id=f"{c.name}-auto-train") for c in ALL]
+    + [
+        pytest.param(ZOO[name], "export", True, id=f"{name}-export-train")
+        for name in ("bn_dropout_buffers", "transformer", "resnet")
+    ]
+    + [
+        pytest.param(
+            ZOO["bn_dropout_buffers"], "export", False, id="bn_dropout_buffers-export-eval"
+        )
+    ]
+)
+
+
+@pytest.mark.parametrize("case, tracer, training", STATE_PARAMS)
 def test_tracing_leaves_the_model_unchanged(case: Case, tracer: str, training: bool) -> None:
     model = case.build().train(training)
     # mixed flags: the first child in the other mode
