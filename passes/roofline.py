@@ -224,7 +224,7 @@ ROOFLINES: Mapping[str, Roofline] = {
         conv_pixels=4.0,
         overlap=0.0,
         cache_bandwidth=15e9,
-        cache_bytes=2 * 2**20,  # the L2 cache of one core
+        cache_bytes=3e6,
         resident_bytes=64e6,
     ),
     "cuda": Roofline(
