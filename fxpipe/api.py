@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,9 +49,7 @@ class Compiled:
 
     def pipeline(self, model: nn.Module, run: RunOptions) -> Pipeline:
         """The runnable Pipeline of ``model`` (the model this was compiled from); chunks
-        default to the ones the plan assumed."""
-        if run.chunks is None:
-            run = replace(run, chunks=self.plan.chunks)
+        default to the ones the plan assumed (``Pipeline`` resolves them)."""
         return Pipeline(model, self.traced, self.plan, self.program, run)
 
 
