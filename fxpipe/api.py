@@ -21,7 +21,15 @@ from fxpipe.budgets import (
 )
 from fxpipe.devices import device_capacity, normalize_devices
 from fxpipe.errors import ConfigError, DeviceError
-from fxpipe.ir import CheckpointMode, CostMode, PipelinePlan, StageProgram, TracerName
+from fxpipe.ir import (
+    CheckpointMode,
+    CostMode,
+    CostTable,
+    PipelinePlan,
+    PricingMode,
+    StageProgram,
+    TracerName,
+)
 from fxpipe.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
 from fxpipe.model_state import preserved
 from fxpipe.options import PlanOptions, RunOptions
@@ -33,6 +41,7 @@ from fxpipe.passes.plan import build_plan
 from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import Pipeline
 from fxpipe.progress import phase, pricing_progress
+from fxpipe.speeds import device_kind, kind_speeds
 from fxpipe.trace.example_checks import check_outputs_follow_batch, example_args, example_batch
 from fxpipe.trace.tracing import Traced, fake_runnable, trace
 
@@ -95,13 +104,17 @@ def plan(
         slack: how far (a fraction: 0.01 = 1%) the bottleneck may grow above the best where
             that sends fewer bytes between stages; 0 (default) keeps the best bottleneck,
             with the fewest bytes among the splits that reach it.
-        max_memory: the memory each device's stages may use together (their training
-            estimate: weights, gradients, Adam state, activations in flight), in
+        max_memory: the memory each device's stages may use together, in
             Accelerate's spelling: one amount for every device (``"20GiB"``), one per
             entry of ``devices``, or a mapping device -> amount (``{0: "20GiB", "cpu":
             "60GiB"}``; an int key is a CUDA index). Amounts are bytes (an int) or strings
             with units ``KB``/``MB``/``GB``/``TB`` (powers of 10) or ``KiB``/``MiB``/
             ``GiB``/``TiB`` (powers of 2). The split is searched among those that fit.
+            The estimate follows how the model is when planned: in training mode, a
+            training step (weights, gradients, Adam state, the activations in flight for
+            ``chunks`` and ``checkpoint``); after ``model.eval()`` or under
+            ``torch.no_grad()``, inference (the weights once and one micro-batch's
+            activations per stage).
             Default: the capacity of each device that is present; nothing is checked for
             one that is not (a ``meta`` device, a GPU absent from this machine).
         speed: the relative throughput of each device, in the same forms (``[1, 3]``: the
@@ -186,13 +199,17 @@ def pipeline(
         slack: how far (a fraction: 0.01 = 1%) the bottleneck may grow above the best where
             that sends fewer bytes between stages; 0 (default) keeps the best bottleneck,
             with the fewest bytes among the splits that reach it.
-        max_memory: the memory each device's stages may use together (their training
-            estimate: weights, gradients, Adam state, activations in flight), in
+        max_memory: the memory each device's stages may use together, in
             Accelerate's spelling: one amount for every device (``"20GiB"``), one per
             entry of ``devices``, or a mapping device -> amount (``{0: "20GiB", "cpu":
             "60GiB"}``; an int key is a CUDA index). Amounts are bytes (an int) or strings
             with units ``KB``/``MB``/``GB``/``TB`` (powers of 10) or ``KiB``/``MiB``/
             ``GiB``/``TiB`` (powers of 2). The split is searched among those that fit.
+            The estimate follows how the model is when planned: in training mode, a
+            training step (weights, gradients, Adam state, the activations in flight for
+            ``chunks`` and ``checkpoint``); after ``model.eval()`` or under
+            ``torch.no_grad()``, inference (the weights once and one micro-batch's
+            activations per stage).
             Default: the capacity of each device that is present; nothing is checked for
             one that is not (a ``meta`` device, a GPU absent from this machine).
         speed: the relative throughput of each device, in the same forms (``[1, 3]``: the
@@ -276,16 +293,8 @@ def compile_model(
             check_outputs_follow_batch(traced, batch)
     pricing = options.pricing()
     micro_batches = options.micro_batches(len(targets), batch)
-    nodes = len(traced.graph_module.graph.nodes)
-    with phase("price", f"{nodes} nodes, cost={pricing!r}"), fake_runnable(model):
-        costs = estimate_costs(
-            traced.graph_module,
-            traced.example_values,
-            mode=pricing,
-            device=targets[0] if pricing in ("time", "roofline") else None,
-            micro_batches=micro_batches,
-            progress=pricing_progress(),
-        )
+    training = model.training and torch.is_grad_enabled()  # else: memory for inference
+    costs, speeds = _price(model, traced, targets, pricing, micro_batches, speeds)
     with phase("partition", f"{len(targets)} stages"):
         g = to_networkx(traced.graph_module, costs)
         memory = memory_model(
@@ -295,6 +304,7 @@ def compile_model(
             budgets,
             chunks=micro_batches,
             checkpoint=options.checkpoint,
+            training=training,
         )
         parts = partition_graph(
             g,
@@ -315,9 +325,47 @@ def compile_model(
             checkpoint=options.checkpoint,
             capacity=budgets,
             speeds=speeds,
+            training=training,
         )
         program = split_stages(the_plan, traced.output_spec, traffic=options.traffic)
     return Compiled(traced, the_plan, program)
+
+
+def _price(
+    model: nn.Module,
+    traced: Traced,
+    targets: Sequence[torch.device],
+    pricing: PricingMode | Callable[[fx.Node], float],
+    micro_batches: int,
+    speeds: tuple[float, ...] | None,
+) -> tuple[CostTable, tuple[float, ...] | None]:
+    """The cost table (priced on the first stage's device), and the devices' speeds: the
+    declared ones, else measured per kind of device when the stages span several."""
+    nodes = len(traced.graph_module.graph.nodes)
+
+    def priced_on(device: torch.device, what: str) -> CostTable:
+        with phase("price", what), fake_runnable(model):
+            return estimate_costs(
+                traced.graph_module,
+                traced.example_values,
+                mode=pricing,
+                device=device if pricing in ("time", "roofline") else None,
+                micro_batches=micro_batches,
+                progress=pricing_progress(),
+            )
+
+    costs = priced_on(targets[0], f"{nodes} nodes, cost={pricing!r}")
+    if speeds is None and pricing in ("time", "roofline"):  # unequal kinds: priced on each
+        speeds = kind_speeds(
+            targets,
+            lambda d: _total(priced_on(d, f"{nodes} nodes again, on {device_kind(d)}")),
+            _total(costs),
+        )
+    return costs, speeds
+
+
+def _total(costs: CostTable) -> float:
+    return sum(c.cost for c in costs.nodes.values())
 
 
 def _check_meta_stages(model: nn.Module, devices: Sequence[torch.device]) -> None:

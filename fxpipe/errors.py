@@ -16,6 +16,7 @@ __all__ = [
     "UninitialisedError",
     "FxPipeWarning",
     "BatchStatisticsWarning",
+    "MemoryEstimateWarning",
 ]
 
 
@@ -76,3 +77,9 @@ class FxPipeWarning(UserWarning):
 class BatchStatisticsWarning(FxPipeWarning):
     """Layers that use per-batch statistics (BatchNorm in training) see micro-batches, so
     their outputs and running statistics differ from the unpipelined model's."""
+
+
+class MemoryEstimateWarning(FxPipeWarning):
+    """A pipeline planned for inference (the model was in eval mode, or grad was disabled,
+    when it was built) is training, and its split would not fit the devices' memory with
+    gradients, optimizer state and stashed activations."""

@@ -111,13 +111,15 @@ class StagePlan:
     device: torch.device
     #: Node names in the stage, in the graph's order.
     nodes: tuple[str, ...]
-    #: Sum of the node costs divided by the speed of the stage's device (``speed=``;
-    #: 1 by default): the stage's time on its own device, in the unit of the costs.
+    #: Sum of the node costs divided by the speed of the stage's device (``speed=``, or
+    #: measured per kind of device; 1 by default): the stage's time on its own device, in
+    #: the unit of the costs.
     cost: float
     #: Bytes of the parameters the stage holds.
     param_bytes: int
-    #: Estimated training memory: parameters, gradients, optimizer state and the
-    #: activations of the micro-batches in flight.
+    #: Estimated memory: in training (``PipelinePlan.training``), parameters, gradients,
+    #: optimizer state and the activations of the micro-batches in flight; in inference,
+    #: the parameters and one micro-batch's activations.
     memory_bytes: int
     #: Boundary values the stage reads from earlier stages (or model inputs it reads
     #: though stage 0 holds them), in graph order.
@@ -172,6 +174,10 @@ class PipelinePlan:
     #: Relative speed of each entry of ``devices`` the plan was made for (empty: all 1);
     #: each stage's cost is its nodes' cost divided by its device's speed.
     speeds: tuple[float, ...] = ()
+    #: Whether ``memory_bytes`` estimate a training step (weights, gradients, Adam state,
+    #: stashed activations) or an inference call (the model was in eval mode, or grad was
+    #: disabled, when it was planned).
+    training: bool = True
 
     @property
     def num_stages(self) -> int:

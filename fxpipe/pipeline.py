@@ -7,6 +7,7 @@ the model's keys. The stage GraphModules reference the same objects.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -16,11 +17,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.devices import same_device
-from fxpipe.errors import ConfigError, DeviceError, InputError
+from fxpipe.errors import ConfigError, DeviceError, InputError, MemoryEstimateWarning
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.materialise import Materialised
 from fxpipe.options import RunOptions
-from fxpipe.passes.plan import stage_span
+from fxpipe.passes.plan import stage_span, training_overflow
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.executor import Executor
 from fxpipe.runtime.microbatch import gather, scatter
@@ -80,6 +81,11 @@ class Pipeline(nn.Module):
         self._wanted = [x.name for x in program.output_leaves if isinstance(x, ValueRef)]
         self._modules_at_build = _module_ids(model)
         self.training = model.training
+        self._training_overflow = (  # planned for inference: what training would need
+            {}
+            if plan.training
+            else training_overflow(plan, chunks=chunks, checkpoint=run.checkpoint)
+        )
 
     @property
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:
@@ -136,12 +142,30 @@ class Pipeline(nn.Module):
         device = self.output_device or _first_device(values)
         batches = scatter(values, self.chunks)
         self._batch_statistics.warn_once(len(batches))
+        if self._training_overflow and self.training and torch.is_grad_enabled():
+            self._warn_training()
         results = self._executor.run(batches, self._wanted)
         flat = [
             [env[x.name] if isinstance(x, ValueRef) else x for x in self._program.output_leaves]
             for env in results
         ]
         return tree_unflatten(gather(flat, device), self._program.output_spec)
+
+    def _warn_training(self) -> None:
+        """Once: the plan was checked for inference, and training would not fit."""
+        over = "; ".join(
+            f"{d} needs ~{n / 2**30:.2f} GiB of {cap / 2**30:.2f} GiB"
+            for d, (n, cap) in self._training_overflow.items()
+        )
+        self._training_overflow = {}
+        warnings.warn(
+            "this pipeline was planned for inference (the model was in eval mode or grad was "
+            "disabled when it was built) and is now training, which its split would not fit "
+            f"({over}, training estimate); build it with the model in train mode to plan "
+            "for training",
+            MemoryEstimateWarning,
+            stacklevel=3,
+        )
 
     def train(self, mode: bool = True) -> Pipeline:
         """Set training mode (``mode=False``: eval) on the pipeline, its stages and the model."""

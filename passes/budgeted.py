@@ -49,7 +49,7 @@ import numpy as np
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.passes.fit import StageFit
-from fxpipe.passes.memory import PARAM_COPIES, Entering, MemoryModel, UnitMemory, unit_memory
+from fxpipe.passes.memory import ESTIMATE, Entering, MemoryModel, UnitMemory, unit_memory
 from fxpipe.passes.units import Units
 
 __all__ = ["Found", "Search", "fit_budgets"]
@@ -264,9 +264,7 @@ def _no_fit_error(
     which = "no split" if search.exact else "no split found (orders and windows tried)"
     header = (
         f"{which} of the model into {search.k} stages fits the devices' memory with "
-        f"chunks={model.chunks}, checkpoint={model.checkpoint!r} (training estimate: "
-        f"weights, gradients and Adam state, {PARAM_COPIES} copies of each parameter, and "
-        "the activations of the micro-batches in flight)"
+        f"chunks={model.chunks}, checkpoint={model.checkpoint!r} ({ESTIMATE[model.training]})"
     )
     if least is None:  # pragma: no cover - a split always exists when the graph has cuts
         return MemoryPlanError(f"{header}; add devices or use devices with more memory")
@@ -308,7 +306,7 @@ def _remedies(
     """Each change that alone makes a split fit, or what is left when none does."""
     groups = model.device_groups()
     found: list[str] = []
-    if model.checkpoint != "always":
+    if model.training and model.checkpoint != "always":
         always = dataclasses.replace(priced, checkpoint="always")
         if _least_fits(search, always, groups, budgets):
             found.append("checkpoint='always' (each stage then keeps only its inputs)")

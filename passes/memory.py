@@ -1,14 +1,16 @@
-"""A stage's training memory as the partitioner prices it: per split, per ideal pair, per segment.
+"""A stage's memory as the partitioner prices it: per split, per ideal pair, per segment.
 
 The estimate is :func:`fxpipe.passes.plan.stage_memory`'s, term for term, so that a split the
 search accepts is one the plan accepts:
 
-- ``PARAM_COPIES`` x the bytes of the parameters the stage holds (a tensor that several
-  nodes of the stage hold counts once);
+- ``param_copies(training)`` x the bytes of the parameters the stage holds (a tensor that
+  several nodes of the stage hold counts once): weight, gradient and two Adam moments in
+  training, the weight alone in inference;
 - ``saved_coef[j]`` x the bytes its nodes keep for backward;
 - ``input_coef[j]`` x the bytes of the boundary values it receives;
 
-the coefficients set by ``chunks`` and ``checkpoint`` (:func:`memory_terms`). Most bytes
+the coefficients set by ``chunks``, ``checkpoint`` and ``training`` (:func:`memory_terms`):
+in inference a stage holds one micro-batch's activations and input at a time. Most bytes
 belong to one unit and add up over a stage. The rest are *spread*: a parameter several
 units hold (tied weights), a ``get_attr`` node's bytes (it lives in the stage of its first
 reader), a placeholder's (first stage) or the output's (last stage); such an item is in
@@ -33,6 +35,7 @@ from fxpipe.ir import CheckpointMode, CostTable
 
 __all__ = [
     "PARAM_COPIES",
+    "ESTIMATE",
     "MODEL_INPUT",
     "FIRST_READER",
     "MemoryModel",
@@ -41,6 +44,7 @@ __all__ = [
     "IdealMemory",
     "OrderMemory",
     "checkpointed",
+    "param_copies",
     "memory_terms",
     "memory_model",
     "unit_memory",
@@ -55,6 +59,19 @@ MODEL_INPUT, FIRST_READER = -1, -2
 FIRST_STAGE, LAST_STAGE = -1, -2
 
 
+#: What the estimate counts, for messages: by ``training``.
+ESTIMATE = {
+    True: (
+        f"training estimate: weights, gradients and Adam state, {PARAM_COPIES} copies of each "
+        "parameter, and the activations of the micro-batches in flight"
+    ),
+    False: (
+        "inference estimate (model in eval mode or grad disabled when planned): the weights "
+        "once and one micro-batch's activations per stage"
+    ),
+}
+
+
 def checkpointed(chunks: int, checkpoint: str, *, last: bool) -> int:
     """How many of ``chunks`` micro-batches a stage checkpoints in training."""
     count = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
@@ -63,10 +80,20 @@ def checkpointed(chunks: int, checkpoint: str, *, last: bool) -> int:
     return count
 
 
-def memory_terms(chunks: int, checkpoint: str, *, last: bool) -> tuple[float, float]:
+def param_copies(training: bool) -> int:
+    """Copies of each parameter a stage holds: PARAM_COPIES in training, 1 in inference."""
+    return PARAM_COPIES if training else 1
+
+
+def memory_terms(
+    chunks: int, checkpoint: str, *, last: bool, training: bool = True
+) -> tuple[float, float]:
     """(saved_coef, input_coef): the multiples of a stage's saved bytes and received bytes
-    (both for the whole example batch) in its training memory."""
+    (both for the whole example batch) in its memory; in inference (no backward, nothing
+    stashed) one micro-batch's worth of each."""
     scale = 1.0 / max(chunks, 1)
+    if not training:
+        return scale, scale
     count = checkpointed(chunks, checkpoint, last=last)
     saved = (chunks - count) * scale + (scale if count else 0.0)
     return saved, count * scale
@@ -88,6 +115,8 @@ class MemoryModel:
     saved: Mapping[str, int]
     #: One entry per parameter tensor: (bytes, names of the nodes that hold it).
     params: tuple[tuple[int, tuple[str, ...]], ...]
+    #: Training (weights, gradients, Adam state, stashed activations) or inference.
+    training: bool = True
 
     def device_groups(self) -> dict[str, list[int]]:
         """Device -> its stage positions, in order."""
@@ -105,9 +134,10 @@ def memory_model(
     *,
     chunks: int,
     checkpoint: CheckpointMode,
+    training: bool = True,
 ) -> MemoryModel | None:
-    """What the search needs to keep each device under its budget; None when no device has
-    one (nothing to check)."""
+    """What the search needs to keep each device under its budget (training or inference
+    memory); None when no device has one (nothing to check)."""
     if all(b is None for b in budgets):
         return None
     holders: dict[int, tuple[int, list[str]]] = {}
@@ -127,6 +157,7 @@ def memory_model(
         devices=tuple(str(d) for d in devices),
         chunks=chunks,
         checkpoint=checkpoint,
+        training=training,
         batch=costs.batch_size,
         saved={n: c.saved_bytes for n, c in costs.nodes.items() if c.saved_bytes},
         params=tuple((size, tuple(names)) for size, names in holders.values()),
@@ -138,7 +169,7 @@ class Spread:
     """Bytes in every stage that holds the first unit of one of ``holders``."""
 
     bytes: int
-    #: Parameter bytes (x PARAM_COPIES), else saved bytes.
+    #: Parameter bytes (x the copies), else saved bytes.
     param: bool
     #: Unit sets, or ``(FIRST_STAGE,)`` / ``(LAST_STAGE,)``.
     holders: tuple[tuple[int, ...], ...]
@@ -158,7 +189,7 @@ class Entering:
 
 @dataclass(frozen=True)
 class UnitMemory:
-    """Training memory of any stage of a unit DAG split into ``k`` stages."""
+    """Memory of any stage of a unit DAG split into ``k`` stages."""
 
     k: int
     chunks: int
@@ -171,6 +202,8 @@ class UnitMemory:
     values: tuple[Entering, ...] = ()
     #: Activation bytes (saved and received) are multiplied by this (a smaller batch).
     activations: float = 1.0
+    #: Training memory (else inference: weights once, one micro-batch in flight).
+    training: bool = True
     #: The per-ideal-pair tables already made, by the ideals (and coefficients) they were
     #: made for; the raw bytes do not depend on ``k``, ``chunks``, ``checkpoint`` or
     #: ``activations``, so copies made by ``dataclasses.replace`` share them.
@@ -184,14 +217,21 @@ class UnitMemory:
 
     def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         """(saved_coef, input_coef) of each stage position."""
+        k, training = self.k, self.training
         terms = [
-            memory_terms(self.chunks, self.checkpoint, last=j == self.k - 1) for j in range(self.k)
+            memory_terms(self.chunks, self.checkpoint, last=j == k - 1, training=training)
+            for j in range(k)
         ]
         saved = np.array([s for s, _ in terms]) * self.activations
         inputs = np.array([i for _, i in terms]) * self.activations
         return saved, inputs
 
     # ------------------------------------------------------------------ one split
+
+    @property
+    def copies(self) -> int:
+        """Copies of each parameter a stage holds."""
+        return param_copies(self.training)
 
     def parts(self, unit_stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(parameter bytes x copies, activation bytes) of each stage of ``unit_stage``."""
@@ -218,10 +258,10 @@ class UnitMemory:
             for j in reading - {made}:
                 received[j] += v.bytes
         saved_coef, input_coef = self.coefficients()
-        return PARAM_COPIES * params, saved_coef * saved + input_coef * received
+        return self.copies * params, saved_coef * saved + input_coef * received
 
     def stage_bytes(self, unit_stage: np.ndarray) -> np.ndarray:
-        """Estimated training memory of each stage of ``unit_stage`` (stage ids 0..k-1)."""
+        """Estimated memory of each stage of ``unit_stage`` (stage ids 0..k-1)."""
         params, activations = self.parts(unit_stage)
         return np.asarray(params + activations)
 
@@ -260,6 +300,7 @@ class UnitMemory:
             tuple(spread),
             tuple(values),
             self.activations,
+            self.training,
         )
 
     # ------------------------------------------------------------------ ideals
@@ -268,7 +309,7 @@ class UnitMemory:
         """The memory of every stage ``I - J`` of the ideals (rows ordered by size, as
         :func:`fxpipe.passes.ideals.enumerate_ideals` returns them)."""
         saved_coef, input_coef = self.coefficients()
-        key = (id(ideals), tuple(saved_coef), tuple(input_coef))
+        key = (id(ideals), tuple(saved_coef), tuple(input_coef), self.copies)
         cached = self._tables.get(key)
         if cached is not None and cached[0] is ideals:
             return cached[1]
@@ -276,11 +317,13 @@ class UnitMemory:
         if base is None or base[0] is not ideals:
             self._tables.clear()
             params, saved, received = self._ideal_tables(ideals)
-            base = (ideals, IdealMemory(PARAM_COPIES * params, saved, received, saved_coef,
-                                        input_coef, len(ideals)))  # fmt: skip
+            base = (ideals, IdealMemory(params, saved, received, saved_coef, input_coef,
+                                        len(ideals)))  # fmt: skip
             self._tables[(id(ideals),)] = base
         raw = base[1]
-        table = IdealMemory(raw.params, raw.saved, raw.received, saved_coef, input_coef, raw.count)
+        table = IdealMemory(
+            self.copies * raw.params, raw.saved, raw.received, saved_coef, input_coef, raw.count
+        )
         self._tables[key] = (ideals, table)
         return table
 
@@ -341,7 +384,9 @@ class UnitMemory:
         params = np.concatenate([[0.0], np.cumsum(self.param_add[order_array])])
         saved = np.concatenate([[0.0], np.cumsum(self.saved_add[order_array])])
         saved_coef, input_coef = self.coefficients()
-        return OrderMemory(PARAM_COPIES * params, saved, events, saved_coef, input_coef)
+        return OrderMemory(
+            self.copies * params, saved, events, saved_coef, input_coef, copies=self.copies
+        )
 
     def _holder_position(self, holder: tuple[int, ...], position: np.ndarray, num: int) -> int:
         if holder == (FIRST_STAGE,):
@@ -355,7 +400,7 @@ class UnitMemory:
 class IdealMemory:
     """Memory of stage ``I - J`` for every pair of ideals (J a subset of I)."""
 
-    #: PARAM_COPIES x parameter bytes, saved bytes and received bytes, each [I, J].
+    #: Copies x parameter bytes, saved bytes and received bytes, each [I, J].
     params: np.ndarray
     saved: np.ndarray
     received: np.ndarray
@@ -391,9 +436,12 @@ class OrderMemory:
         events: list[list[tuple[int, int, float]]],
         saved_coef: np.ndarray,
         input_coef: np.ndarray,
+        *,
+        copies: int = PARAM_COPIES,
     ) -> None:
         num = len(events)
-        self.prefix_params = params  # PARAM_COPIES x prefix sums of the one-unit bytes
+        self.prefix_params = params  # copies x prefix sums of the one-unit bytes
+        self.copies = copies
         self.prefix_saved = saved
         self.saved_coef = saved_coef
         self.input_coef = input_coef
@@ -412,7 +460,7 @@ class OrderMemory:
             raise ValueError(f"advance({t}) after advance({self._t}): sweep t = 1, 2, ...")
         self._t = t
         for kind, before, size in self._events[t - 1]:
-            self._vectors[kind, before + 1 : t] += size * (PARAM_COPIES if kind == 0 else 1)
+            self._vectors[kind, before + 1 : t] += size * (self.copies if kind == 0 else 1)
 
     def additive(self, j: int) -> np.ndarray:
         """The one-unit part of a segment's memory at position j, as prefix sums: the
@@ -507,4 +555,5 @@ def unit_memory(
         saved_add=saved_add,
         spread=tuple(spread),
         values=tuple(values),
+        training=model.training,
     )

@@ -19,12 +19,12 @@ import torch.fx as fx
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
-from fxpipe.passes.memory import PARAM_COPIES, checkpointed
+from fxpipe.passes.memory import ESTIMATE, PARAM_COPIES, memory_terms, param_copies
 from fxpipe.passes.nx_graph import replicated_attrs
 from fxpipe.passes.ops import module_path
 from fxpipe.passes.partition import Partition
 
-__all__ = ["build_plan", "stage_memory", "stage_span", "PARAM_COPIES"]
+__all__ = ["build_plan", "stage_memory", "stage_span", "training_overflow", "PARAM_COPIES"]
 
 
 def build_plan(
@@ -38,10 +38,12 @@ def build_plan(
     checkpoint: str = "except_last",
     capacity: Sequence[int | None] | None = None,
     speeds: Sequence[float] | None = None,
+    training: bool = True,
 ) -> PipelinePlan:
     """The plan of ``partition``; raises MemoryPlanError when a stage cannot fit its device
     (``capacity[j]`` bytes; ``None`` means unknown and is not checked). ``speeds[j]``: the
-    relative speed of ``devices[j]``; a stage's cost is its nodes' cost divided by it."""
+    relative speed of ``devices[j]``; a stage's cost is its nodes' cost divided by it.
+    ``training``: estimate training memory (else inference: weights once, one micro-batch)."""
     k = len(devices)
     speed = [1.0] * k if speeds is None else [float(v) for v in speeds]
     stage_of = partition.stage_of
@@ -65,10 +67,12 @@ def build_plan(
             inputs=inputs,
             outputs=outputs,
         )
-        memory = stage_memory(stage, costs, chunks=chunks, checkpoint=checkpoint, last=j == k - 1)
+        memory = stage_memory(
+            stage, costs, chunks=chunks, checkpoint=checkpoint, last=j == k - 1, training=training
+        )
         stages.append(_with_memory(stage, memory))
     if capacity is not None:
-        _check_fits(stages, capacity, chunks)
+        _check_fits(stages, capacity, chunks, training)
     node_cost = {n: costs.nodes[n].cost for n in names}
     total = sum(node_cost.values())
     if speeds is None:
@@ -90,6 +94,7 @@ def build_plan(
         capacities=tuple(capacity) if capacity is not None else (None,) * k,
         info=info,
         speeds=() if speeds is None else tuple(speed),
+        training=training,
     )
 
 
@@ -142,16 +147,41 @@ def _param_bytes(gm: fx.GraphModule, nodes: tuple[str, ...]) -> int:
 
 
 def stage_memory(
-    stage: StagePlan, costs: CostTable, *, chunks: int, checkpoint: str, last: bool
+    stage: StagePlan,
+    costs: CostTable,
+    *,
+    chunks: int,
+    checkpoint: str,
+    last: bool,
+    training: bool = True,
 ) -> int:
-    """Estimated bytes a stage holds at its peak in one training step."""
-    scale = 1.0 / max(chunks, 1)  # costs were priced on the whole example batch
-    saved = sum(costs.nodes[n].saved_bytes for n in stage.nodes) * scale
-    inputs = sum(costs.nodes[v].output_bytes for v in stage.inputs) * scale
-    recomputed = checkpointed(chunks, checkpoint, last=last)  # keep their inputs only
-    kept = (chunks - recomputed) * saved + recomputed * inputs
-    recompute = saved if recomputed else 0.0
-    return int(PARAM_COPIES * stage.param_bytes + kept + recompute)
+    """Estimated bytes a stage holds at its peak in one training step (or, with
+    ``training=False``, one inference call: weights once, one micro-batch in flight)."""
+    saved = sum(costs.nodes[n].saved_bytes for n in stage.nodes)
+    inputs = sum(costs.nodes[v].output_bytes for v in stage.inputs)
+    saved_coef, input_coef = memory_terms(chunks, checkpoint, last=last, training=training)
+    activations = saved_coef * saved + input_coef * inputs
+    return int(param_copies(training) * stage.param_bytes + activations)
+
+
+def training_overflow(
+    plan: PipelinePlan, *, chunks: int, checkpoint: str
+) -> dict[str, tuple[int, int]]:
+    """Device -> (bytes its stages need in training, its capacity), for each device the
+    plan's stages would not fit in training (empty when they fit or nothing is known)."""
+    need: dict[str, int] = {}
+    have: dict[str, int] = {}
+    k = plan.num_stages
+    for s in plan.stages:
+        limit = plan.capacities[s.index] if plan.capacities else None
+        if limit is None:
+            continue
+        key = str(s.device)
+        last = s.index == k - 1
+        memory = stage_memory(s, plan.costs, chunks=chunks, checkpoint=checkpoint, last=last)
+        need[key] = need.get(key, 0) + memory
+        have[key] = limit
+    return {d: (n, have[d]) for d, n in need.items() if n > have[d]}
 
 
 def _with_memory(stage: StagePlan, memory: int) -> StagePlan:
@@ -167,7 +197,9 @@ def _with_memory(stage: StagePlan, memory: int) -> StagePlan:
     )
 
 
-def _check_fits(stages: list[StagePlan], capacity: Sequence[int | None], chunks: int) -> None:
+def _check_fits(
+    stages: list[StagePlan], capacity: Sequence[int | None], chunks: int, training: bool
+) -> None:
     """Stages that share a device share its memory: check each device's total."""
     need: dict[str, int] = {}
     have: dict[str, int] = {}
@@ -185,9 +217,13 @@ def _check_fits(stages: list[StagePlan], capacity: Sequence[int | None], chunks:
         f"{[s.index for s in stages if str(s.device) == d]} of {have[d] / 2**30:.2f} GiB"
         for d, n in over.items()
     )
+    if training:
+        remedy = "add devices, use checkpoint='always', more chunks, or a smaller batch"
+    else:
+        remedy = "add devices, more chunks, or a smaller batch"
     raise MemoryPlanError(
-        f"the plan does not fit in device memory with chunks={chunks}:\n{rows}\n"
-        "remedy: add devices, use checkpoint='always', or a smaller batch"
+        f"the plan does not fit in device memory with chunks={chunks} ({ESTIMATE[training]}):"
+        f"\n{rows}\nremedy: {remedy}"
     )
 
 

@@ -116,3 +116,16 @@ def test_time_costs_are_profiled_on_the_gpu() -> None:
     plan = fxpipe.plan(model, args, ["cuda:0"] * 2, example_kwargs=kwargs, cost="time")
     assert all(stage.cost > 0 for stage in plan.stages)
     assert len(plan.stages) == 2
+
+
+def test_time_costs_are_profiled_on_each_kind_of_device() -> None:
+    """A GPU stage and a CPU stage: "time" profiles the model on both, the CPU's speed is
+    the ratio of the totals, and it gets the smaller share of the work."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(16)])
+    x = torch.randn(256, 512)
+    plan = fxpipe.plan(model, x, ["cuda:0", "cpu"], cost="time")
+    assert plan.speeds[0] == 1.0 and 0.0 < plan.speeds[1] < 1.0
+    gpu, cpu = (sum(plan.node_cost[n] for n in s.nodes) for s in plan.stages)
+    assert cpu < gpu
+    assert plan.stages[1].cost == pytest.approx(cpu / plan.speeds[1])

@@ -215,9 +215,12 @@ def _footer(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
 
 
 def _memory_notes(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
-    notes = [
-        "memory:      training estimate: weights, gradients, Adam state, activations in flight"
-    ]
+    what = (
+        "training estimate: weights, gradients, Adam state, activations in flight"
+        if plan.training
+        else "inference estimate (planned in eval mode): weights, one micro-batch in flight"
+    )
+    notes = [f"memory:      {what}"]
     groups: dict[str, list[int]] = {}
     for s in plan.stages:
         groups.setdefault(str(s.device), []).append(s.index)

@@ -154,7 +154,8 @@ def _stage_labels(plan: PipelinePlan) -> list[str]:
     for s in plan.stages:
         first, last = stage_span(plan, s)
         tail = last if len(last) <= 18 else "..." + last[-15:]
-        labels.append(f"stage {s.index}\n{s.device}\nto {tail}")
+        speed = f" ({plan.speeds[s.index]:g}x)" if plan.speeds else ""
+        labels.append(f"stage {s.index}\n{s.device}{speed}\nto {tail}")
     return labels
 
 
@@ -179,20 +180,24 @@ def _cost_panel(ax: Axes, plan: PipelinePlan) -> None:
     xs = list(range(plan.num_stages))
     colors = [_ORANGE if c >= plan.bottleneck else _BLUE for c in costs]
     bars = ax.bar(xs, [c / factor for c in costs], color=colors, edgecolor="#333333", width=0.6)
-    total = plan.total_cost or 1.0
+    total = sum(costs) or 1.0
     labels = [f"{format_cost(c, plan.costs.unit)}\n{100 * c / total:.1f}%" for c in costs]
+    bound = f"total / {plan.num_stages}, largest node"
+    what = "estimated cost, forward + backward"
+    if plan.speeds:  # each bar: the stage's time on its own device, in speed-1 units
+        bound = "total / summed speed, largest node / top speed"
+        what = "time on its own device (cost / its speed), forward + backward"
     ax.bar_label(bars, labels=labels, fontsize=8, label_type="center")
     ax.axhline(
         plan.lower_bound / factor,
         color=_RED,
         linestyle="--",
         linewidth=1.3,
-        label=f"lower bound {format_cost(plan.lower_bound, plan.costs.unit)} "
-        f"(max of total / {plan.num_stages}, largest node)",
+        label=f"lower bound {format_cost(plan.lower_bound, plan.costs.unit)} (max of {bound})",
     )
     ax.legend(loc="upper left", fontsize=8, frameon=False)
     ax.set_xticks(xs, _stage_labels(plan), fontsize=8)
-    ax.set_ylabel(f"estimated cost, forward + backward ({unit})")
+    ax.set_ylabel(f"{what} ({unit})")
     ax.set_ylim(0, max(max(costs, default=0.0), plan.lower_bound) / factor * 1.25 or 1.0)
     ax.set_title(
         f"Cost per stage ({plan.costs.mode} cost model); orange = bottleneck", fontsize=10

@@ -8,6 +8,7 @@ import itertools
 import random
 import re
 import sys
+import warnings
 from typing import Any
 
 import networkx as nx
@@ -20,7 +21,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.budgets import parse_amount, parse_max_memory, parse_speed
-from fxpipe.errors import ConfigError, MemoryPlanError
+from fxpipe.errors import ConfigError, MemoryEstimateWarning, MemoryPlanError
 from fxpipe.options import PlanOptions
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.dp import min_bytes_split, min_max_split
@@ -181,6 +182,29 @@ def test_a_three_times_faster_device_gets_three_quarters_of_a_uniform_chain() ->
     assert same.speeds == () and "speeds:" not in str(same)
 
 
+def test_a_gpu_and_the_cpu_are_priced_each_on_its_own_roofline() -> None:
+    """Stages on two kinds of device: the model is priced on each, the CPU's speed is the
+    ratio of the totals, and the time on each stage's own device balances."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[nn.Linear(256, 256) for _ in range(24)]), torch.randn(64, 256)
+    on_gpu = fxpipe.plan(model, x, ["cuda:0", "cuda:1"])
+    on_cpu = fxpipe.plan(model, x, ["cpu", "cpu"])
+    assert on_gpu.speeds == () and on_cpu.speeds == ()  # one kind: nothing to scale
+    ratio = sum(on_gpu.node_cost.values()) / sum(on_cpu.node_cost.values())
+    assert ratio < 0.5  # the reference GPU is faster on every matrix product
+    mixed = fxpipe.plan(model, x, ["cuda:0", "cpu"])
+    assert mixed.speeds == pytest.approx((1.0, ratio))
+    gpu_nodes, cpu_nodes = (len(s.nodes) for s in mixed.stages)
+    assert cpu_nodes < gpu_nodes
+    # the CPU stage's time: its nodes priced on the CPU's own roofline
+    cpu_time = sum(on_cpu.node_cost[n] for n in mixed.stages[1].nodes)
+    assert mixed.stages[1].cost == pytest.approx(cpu_time, rel=0.02)
+    assert mixed.bottleneck <= 1.1 * mixed.lower_bound
+    assert "speeds:" in str(mixed)
+    declared = fxpipe.plan(model, x, ["cuda:0", "cpu"], speed=[1, 1])  # declared wins
+    assert declared.speeds == (1.0, 1.0)
+
+
 def _brute_time(g: nx.DiGraph, st: dict[str, int], speeds: list[float]) -> float:
     cost = [0.0] * len(speeds)
     for name in compute_nodes(g):
@@ -288,15 +312,21 @@ def _zoo_graph(name: str, traffic: str) -> tuple[Any, Any, nx.DiGraph]:
 @pytest.mark.parametrize("name", ["transformer", "shared_module", "unet", "mlp_residual"])
 def test_the_search_prices_memory_as_the_plan_does(name: str, traffic: str) -> None:
     """Tied weights, a module called twice, long skips: per split, per ideal pair and per
-    segment of an order, the search's memory is the plan's."""
+    segment of an order, the search's memory is the plan's (training and inference)."""
     t, costs, g = _zoo_graph(name, traffic)
     units = build_units(g)
     rng = np.random.default_rng(0)
-    for k, chunks, checkpoint in ((2, 4, "except_last"), (3, 3, "always"), (4, 2, "never")):
+    for k, chunks, checkpoint, training in (
+        (2, 4, "except_last", True),
+        (3, 3, "always", True),
+        (4, 2, "never", True),
+        (3, 4, "except_last", False),
+    ):
         devices = [torch.device("cuda", j) for j in range(k)]
         model = memory_model(
-            t.graph_module, costs, devices, [1] * k, chunks=chunks, checkpoint=checkpoint
-        )
+            t.graph_module, costs, devices, [1] * k, chunks=chunks, checkpoint=checkpoint,
+            training=training,
+        )  # fmt: skip
         assert model is not None
         priced = unit_memory(
             model, g, units.unit_of, units.num_units, _entering(_values(g, units, traffic))
@@ -317,8 +347,9 @@ def test_the_search_prices_memory_as_the_plan_does(name: str, traffic: str) -> N
                     stage_of[n] = min((stage_of[v] for v in g.successors(n)), default=0)
             split = Partition(stage_of, 0.0, "test", 0.0, traffic)  # type: ignore[arg-type]
             plan = build_plan(
-                t.graph_module, costs, g, split, devices, chunks=chunks, checkpoint=checkpoint
-            )
+                t.graph_module, costs, g, split, devices, chunks=chunks, checkpoint=checkpoint,
+                training=training,
+            )  # fmt: skip
             want = np.array([s.memory_bytes for s in plan.stages], dtype=np.float64)
             assert np.abs(priced.stage_bytes(unit_stage) - want).max() <= 1.0
             # the same split read off the order sweep, stage by stage
@@ -348,7 +379,7 @@ def test_the_search_prices_memory_as_the_plan_does(name: str, traffic: str) -> N
                 m = len(kept)
                 split_model = MemoryModel(
                     (1,) * m, tuple(map(str, range(m))), chunks, checkpoint, 1, model.saved,
-                    model.params,
+                    model.params, training,
                 )  # fmt: skip
                 split = unit_memory(split_model, g, units.unit_of, units.num_units, entering)
                 position = 1 if parts[0].any() else 0
@@ -382,7 +413,9 @@ def _dag_with_memory(
     return g, saved, tuple((size, tuple(sorted(set(h)))) for size, h in params)
 
 
-def _coefficients(chunks: int, checkpoint: str) -> tuple[float, float]:
+def _coefficients(chunks: int, checkpoint: str, training: bool) -> tuple[float, float]:
+    if not training:  # nothing stashed: one micro-batch's activations and input
+        return 1 / chunks, 1 / chunks
     count = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
     return (chunks - count + (1 if count else 0)) / chunks, count / chunks
 
@@ -411,8 +444,9 @@ def _brute_memory(
         }
         for j in readers - {stage[n]}:
             received[j] += g.nodes[n]["bytes"]
-    keep, inputs = _coefficients(model.chunks, model.checkpoint)
-    return [4 * p + keep * s + inputs * r for p, s, r in zip(params, saved, received)]
+    keep, inputs = _coefficients(model.chunks, model.checkpoint, model.training)
+    copies = 4 if model.training else 1  # weight, gradient, two Adam moments; or the weight
+    return [copies * p + keep * s + inputs * r for p, s, r in zip(params, saved, received)]
 
 
 def _device_need(memory: list[float], devices: tuple[str, ...]) -> dict[str, float]:
@@ -449,21 +483,24 @@ def test_budgets_on_distinct_devices_are_exact(
 ) -> None:
     """Per device budgets, speeds: the exact search (ideals) is the brute-force optimum
     under the budgets, and the order search (exact per order) never beats it; both fit;
-    too small a budget says what the least-memory split needs."""
+    too small a budget says what the least-memory split needs. One case in three prices
+    inference memory."""
     rng = random.Random(seed)
     g, saved, params = _dag_with_memory(rng, n, density)
     speeds = [rng.choice([1.0, 2.0]) for _ in range(k)]
     chunks, checkpoint = rng.choice([(4, "except_last"), (2, "always"), (3, "never")])
+    training = seed % 3 != 0
     devices = tuple(f"d{j}" for j in range(k))
-    probe = MemoryModel((None,) * k, devices, chunks, checkpoint, 8, saved, params)
+    probe = MemoryModel((None,) * k, devices, chunks, checkpoint, 8, saved, params, training)
     valid = all_valid_splits(g, k)
     memory = [_brute_memory(g, s, probe, traffic) for s in valid]
     scale = [rng.choice([0.7, 1.0, 1.5]) for _ in range(k)]
     ratios = sorted({max(m / c for m, c in zip(mem, scale)) for mem in memory})
     level = ratios[rng.randrange(len(ratios))] * (1 + 1e-9)  # some split fits just so
     model = MemoryModel(
-        tuple(int(level * c) + 1 for c in scale), devices, chunks, checkpoint, 8, saved, params
-    )
+        tuple(int(level * c) + 1 for c in scale), devices, chunks, checkpoint, 8, saved, params,
+        training,
+    )  # fmt: skip
     fitting = [s for s, m in zip(valid, memory) if _fits(m, model)]
     assert fitting
     best = min(_brute_time(g, s, speeds) for s in fitting)
@@ -480,7 +517,9 @@ def test_budgets_on_distinct_devices_are_exact(
         else:
             assert part.bottleneck >= best * (1 - 1e-9)
     least = min(max(m) for m in memory)  # every budget below: nothing fits
-    tight = MemoryModel((int(least * 0.99),) * k, devices, chunks, checkpoint, 8, saved, params)
+    tight = MemoryModel(
+        (int(least * 0.99),) * k, devices, chunks, checkpoint, 8, saved, params, training
+    )
     if least * 0.99 < 1:
         return
     with pytest.raises(MemoryPlanError) as info:
@@ -559,14 +598,18 @@ def _each_module_costs_one(node: torch.fx.Node) -> float:
     return 1.0 if node.op == "call_module" else 0.0
 
 
-def _tapered_plan(**keywords: Any) -> fxpipe.PipelinePlan:
+def _tapered_plan(model_mode: str = "train", **keywords: Any) -> fxpipe.PipelinePlan:
     torch.manual_seed(0)
-    return fxpipe.plan(
-        Tapered(), torch.randn(16, 96), GPUS, cost=_each_module_costs_one, chunks=4, **keywords
-    )
+    model = Tapered().train(model_mode == "train")
+    with torch.set_grad_enabled(model_mode != "no_grad"):
+        return fxpipe.plan(
+            model, torch.randn(16, 96), GPUS, cost=_each_module_costs_one, chunks=4, **keywords
+        )
 
 
-def _brute_over_ideals(plan: fxpipe.PipelinePlan, budget: int) -> tuple[float, float]:
+def _brute_over_ideals(
+    plan: fxpipe.PipelinePlan, budget: int, *, training: bool = True
+) -> tuple[float, float]:
     """(smallest bottleneck of the splits whose every stage fits ``budget``, smallest
     largest stage memory of any split), over every chain of ideals of the unit DAG."""
     g = to_networkx(plan.graph_module, plan.costs)
@@ -575,7 +618,7 @@ def _brute_over_ideals(plan: fxpipe.PipelinePlan, budget: int) -> tuple[float, f
     assert ideals is not None
     devices = [torch.device("cuda", j) for j in range(4)]
     model = memory_model(plan.graph_module, plan.costs, devices, [budget] * 4, chunks=4,
-                         checkpoint="except_last")  # fmt: skip
+                         checkpoint="except_last", training=training)  # fmt: skip
     assert model is not None
     subset = (ideals[:, None, :] <= ideals[None, :, :]).all(axis=2)
     best, least = INF, INF
@@ -640,6 +683,34 @@ def test_the_remedies_that_get_there_are_named() -> None:
     assert re.search(r"remedy: any one of: .*\b5 devices of", text), text
 
 
+def test_a_model_in_eval_mode_or_without_grad_is_planned_for_inference() -> None:
+    """Inference needs the weights once and one micro-batch in flight: a budget that holds
+    the inference split of the model fits it in eval mode and under no_grad, and is refused
+    for training with the estimate named; the brute-force optimum under it is found."""
+    inference = _tapered_plan(model_mode="eval")
+    assert not inference.training and "inference estimate" in inference.summary()
+    training = _tapered_plan()
+    assert training.training and "training estimate" in training.summary()
+    for a, b in zip(inference.stages, training.stages):
+        if a.nodes == b.nodes:  # same stage: a quarter of the weight bytes at most
+            assert a.memory_bytes < b.memory_bytes
+    _, least_training = _brute_over_ideals(training, 1)
+    _, least_inference = _brute_over_ideals(inference, 1, training=False)
+    assert least_inference < least_training / 2
+    budget = int(least_inference * 1.2)
+    for mode in ("eval", "no_grad"):
+        plan = _tapered_plan(max_memory=budget, model_mode=mode)
+        assert all(s.memory_bytes <= budget for s in plan.stages)
+        best, _ = _brute_over_ideals(plan, budget, training=False)
+        assert plan.bottleneck == best
+    with pytest.raises(MemoryPlanError, match="training estimate") as info:
+        _tapered_plan(max_memory=budget)
+    assert "checkpoint='always'" in str(info.value)
+    with pytest.raises(MemoryPlanError, match="inference estimate") as info:
+        _tapered_plan(max_memory=int(least_inference * 0.95), model_mode="eval")
+    assert "checkpoint='always'" not in str(info.value)
+
+
 def test_a_shared_cpu_budget_holds_every_stage_and_the_pipeline_runs() -> None:
     torch.manual_seed(0)
     model = Tapered()
@@ -654,6 +725,32 @@ def test_a_shared_cpu_budget_holds_every_stage_and_the_pipeline_runs() -> None:
     torch.testing.assert_close(pipe(x), model(x))
     with pytest.raises(MemoryPlanError, match=r"cpu: needs ~.* GiB for stages \[0, 1, 2\]"):
         fxpipe.plan(model, x, ["cpu"] * 3, cost=_each_module_costs_one, max_memory=need // 4)
+
+
+def test_training_a_pipeline_planned_for_inference_warns_once_when_it_would_not_fit() -> None:
+    torch.manual_seed(0)
+    model, x = Tapered().eval(), torch.randn(16, 96)
+    need = fxpipe.plan(model, x, ["cpu"] * 2, cost=_each_module_costs_one, chunks=4)
+    budget = sum(s.memory_bytes for s in need.stages) + 1  # the inference split, just
+    pipe = fxpipe.pipeline(
+        model, x, ["cpu"] * 2, cost=_each_module_costs_one, chunks=4, max_memory=budget
+    )
+    assert not pipe.plan.training
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(pipe(x), model(x))  # inference, as planned: no warning
+    pipe.train()
+    with pytest.warns(MemoryEstimateWarning, match=r"planned for inference.*cpu needs ~"):
+        pipe(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x)  # once per pipeline
+    roomy = fxpipe.pipeline(model.eval(), x, ["cpu"] * 2, cost=_each_module_costs_one,
+                            max_memory="1GiB")  # fmt: skip
+    roomy.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        roomy(x)  # training fits too: nothing to say
 
 
 if __name__ == "__main__":  # pragma: no cover
