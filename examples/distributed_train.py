@@ -1,13 +1,17 @@
 """Train a small non-Sequential model on torch.distributed.pipelining with an fxpipe plan.
 
     torchrun --nproc-per-node 2 examples/distributed_train.py [--schedule 1f1b] [--steps 5]
+    torchrun --nproc-per-node 4 examples/distributed_train.py --pp 2 --dp 2 [--save DIR]
 
 One process per stage: gloo on CPU, NCCL (one GPU per process) when CUDA is available.
 Every rank builds the same model and calls ``pipeline_schedule``; fxpipe traces it, splits
 it into balanced stages (the long skip from the stem to the head is relayed through the
-stages in between) and keeps on each rank only its own stage's parameters. The last rank
-prints the loss of each step; at the end rank 0 gathers the shards into one state dict and
-checks it in the plain, unpipelined model.
+stages in between) and keeps on each rank only its own stage's parameters. With ``--dp``,
+the ranks form a ``(pp, dp)`` mesh: ``dp`` pipeline replicas, each fed its slice of the
+global batch, whose stages average gradients with DDP. The last rank of each replica prints
+the loss of each step; at the end the first replica's rank 0 gathers its shards into one
+state dict and checks it in the plain, unpipelined model, and ``--save`` writes one
+``torch.distributed.checkpoint`` for the whole job (loadable at another layout).
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: all)")
+    parser.add_argument("--dp", type=int, default=1, help="pipeline replicas")
+    parser.add_argument("--save", default=None, help="folder for a distributed checkpoint")
     opts = parser.parse_args()
 
     if torch.cuda.is_available():
@@ -86,11 +93,23 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
         device = torch.device("cpu")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pp = opts.pp or world // opts.dp
+    mesh, replica = None, 0
+    if opts.dp > 1 or pp != world:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (pp, opts.dp), mesh_dim_names=("pp", "dp"))
+        replica = mesh.get_local_rank("dp")
+
+    def my_slice(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's rows of the global batch of ``step``."""
+        x, y = batch(step, opts.batch * opts.dp, device)
+        return x.chunk(opts.dp)[replica], y.chunk(opts.dp)[replica]
 
     torch.manual_seed(0)  # the same weights on every rank
     model = SkipNet()
-    x, y = batch(0, opts.batch, device)
+    x, y = my_slice(0)
     pipe = fd.pipeline_schedule(
         model,
         x.cpu(),
@@ -100,13 +119,14 @@ def main() -> None:
         loss_fn=loss_fn,
         scale_grads=True,
         device=device,
+        mesh=mesh,
     )
     if rank == 0:
         print(pipe.plan.summary(), flush=True)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
 
     for step in range(opts.steps):
-        x, y = batch(step, opts.batch, device)
+        x, y = my_slice(step)
         losses: list[torch.Tensor] = []
         if pipe.is_first:
             pipe.schedule.step(x, target=y if pipe.is_last else None, losses=losses)
@@ -119,10 +139,15 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if pipe.is_last:
             loss = torch.stack(losses).mean().item()
-            print(f"step {step}: loss {loss:.4f} (rank {rank}, stages {pipe.stage_indices})")
+            where = f"rank {rank}, replica {replica}, stages {pipe.stage_indices}"
+            print(f"step {step}: loss {loss:.4f} ({where})")
 
-    state = pipe.gather_state_dict(dst=0)
-    if state is not None:
+    if opts.save:
+        pipe.save_checkpoint(opts.save, optimizer)
+        if rank == 0:
+            print(f"saved a distributed checkpoint to {opts.save}")
+    state = pipe.gather_state_dict(dst=0)  # within each replica's pipeline
+    if state is not None and replica == 0:
         plain = SkipNet()
         plain.load_state_dict(state, strict=True)
         x, y = batch(opts.steps, opts.batch, torch.device("cpu"))

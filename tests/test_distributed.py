@@ -25,17 +25,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 if str(TESTS.parent) not in sys.path:  # the ranks import this module by its package path
     sys.path.append(str(TESTS.parent))
 
+from helpers import sweep  # noqa: E402
 from models import ZOO, ResidualMLP, TinyGPT  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
-from fxpipe.errors import ConfigError, FxPipeError  # noqa: E402
+from fxpipe.errors import CheckpointError, ConfigError, FxPipeError  # noqa: E402
 
 TIME_LIMIT = 120.0  # seconds per test, all ranks together
 BATCH, N_MB = 8, 4
@@ -74,14 +75,14 @@ def _tiny_gpt() -> nn.Module:
         return TinyGPT(p=0.0)  # no dropout: the oracle is exact
 
 
-def _problem(name: str) -> Problem:
+def _problem(name: str, batch: int = BATCH) -> Problem:
     """Model factory (same weights each call), example args and kwargs, loss, target."""
     if name == "transformer":
-        args, kwargs = ZOO["transformer"].example(BATCH)
+        args, kwargs = ZOO["transformer"].example(batch)
         target = torch.randint(0, 64, args[0].shape, generator=_gen())
         return _tiny_gpt, args, kwargs, _lm_loss, target
     case = ZOO[name]
-    args, kwargs = case.example(BATCH)
+    args, kwargs = case.example(batch)
     if name == "llama":
         target = torch.randint(0, 64, args[0].shape, generator=_gen())
         return case.build, args, kwargs, _llama_loss, target
@@ -91,8 +92,8 @@ def _problem(name: str) -> Problem:
     return case.build, args, kwargs, _dict_loss if name == "multi_io_dict" else _sum_sq, target
 
 
-def _eager(name: str) -> tuple[nn.Module, float]:
-    build, args, kwargs, loss_fn, target = _problem(name)
+def _eager(name: str, batch: int = BATCH) -> tuple[nn.Module, float]:
+    build, args, kwargs, loss_fn, target = _problem(name, batch)
     model = build()
     loss = loss_fn(model(*args, **kwargs), target)
     loss.backward()
@@ -115,11 +116,30 @@ def _step(pipe: fd.DistributedPipeline, args: Any, kwargs: Any, target: Any) -> 
 
 
 def _train(
-    rank: int, world: int, *, name: str, schedule: str, spr: int = 1, scale_grads: bool = False
+    rank: int,
+    world: int,
+    *,
+    name: str,
+    schedule: str,
+    spr: int = 1,
+    scale_grads: bool = False,
+    dp: int = 1,
 ) -> dict[str, Any]:
-    """One pipelined step, then one SGD step; gradients and the state-dict shard."""
-    build, args, kwargs, loss_fn, target = _problem(name)
+    """One pipelined step, then one SGD step; gradients and the state-dict shard. With
+    ``dp > 1``: a (world / dp) x dp mesh, replica ``i`` taking the i-th slice of a global
+    batch of ``dp * BATCH``."""
+    build, args, kwargs, loss_fn, target = _problem(name, dp * BATCH)
     model = build()
+    mesh, replica = None, 0
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+        replica = mesh.get_local_rank("dp")
+        args, kwargs, target = tree_map(
+            lambda t: t.chunk(dp)[replica] if isinstance(t, torch.Tensor) else t,
+            (args, kwargs, target),
+        )
     pipe = fd.pipeline_schedule(
         model,
         args,
@@ -129,6 +149,7 @@ def _train(
         loss_fn=loss_fn,
         stages_per_rank=spr,
         scale_grads=scale_grads,
+        mesh=mesh,
     )
     losses = _step(pipe, args, kwargs, target)
     pipe.sync_tied_gradients()
@@ -145,6 +166,7 @@ def _train(
     }
     return {
         "stages": pipe.stage_indices,
+        "replica": replica,
         "loss": float(sum(losses)) if losses else None,
         "grads": grads,
         "shard": {k: v.clone() for k, v in pipe.state_dict().items()},
@@ -202,6 +224,66 @@ def _meta_model(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _lm_mean(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _optimizer(parameters: Any) -> torch.optim.Optimizer:
+    """SGD with momentum: state to restore (Adam would amplify rounding on near-zero
+    gradients, such as the rows of tokens the batch does not use, far above it)."""
+    return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
+
+
+def _train_steps(
+    pipe: fd.DistributedPipeline, optimizer: Any, args: Any, target: Any, steps: int
+) -> list[float]:
+    """``steps`` training steps; each one's mean micro-batch loss on the last stage."""
+    out = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses = _step(pipe, args, {}, target)
+        pipe.sync_tied_gradients()
+        optimizer.step()
+        out.append(float(torch.stack(losses).mean()) if losses else float("nan"))
+    return out
+
+
+def _resume(rank: int, world: int, *, folder: str, other: str) -> dict[str, Any]:
+    """The tied-embedding transformer, SGD with momentum, a mean loss over a global batch of
+    2 x BATCH:
+    one step at 2 stages x 2 replicas, saved with torch.distributed.checkpoint; then loaded
+    at 4 stages x 1 replica, which takes two more steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, args, _, _, target = _problem("transformer", 2 * BATCH)
+    saved: dict[str, Any] = {}
+    for layout, (pp, dp) in (("save", (2, 2)), ("load", (4, 1))):
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        replica = mesh.get_local_rank("dp")
+        mine = (args[0].chunk(dp)[replica],), target.chunk(dp)[replica]
+        pipe = fd.pipeline_schedule(
+            _tiny_gpt(), mine[0], n_microbatches=N_MB, loss_fn=_lm_mean, scale_grads=True,
+            mesh=mesh, schedule="1f1b",
+        )  # fmt: skip
+        optimizer = _optimizer(pipe.parameters())
+        if layout == "save":
+            saved["losses"] = _train_steps(pipe, optimizer, mine[0], mine[1], 1)
+            pipe.save_checkpoint(folder, optimizer)
+            if replica == 0:
+                saved["shard"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+        else:
+            saved["refused"] = []
+            for wrong in (other, folder + "-missing"):  # each rank alone, nothing sent
+                try:
+                    pipe.load_checkpoint(wrong, optimizer)
+                except CheckpointError as e:
+                    saved["refused"].append(str(e))
+            pipe.load_checkpoint(folder, optimizer)
+            saved["loaded"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+            saved["resumed"] = _train_steps(pipe, optimizer, mine[0], mine[1], 2)
+    return saved
+
+
 def _fail(rank: int, world: int, *, bad_rank: int) -> dict[str, Any]:
     """Rank ``bad_rank``'s stage raises in its forward on the second step."""
     build, args, kwargs, loss_fn, target = _problem("mlp_residual")
@@ -224,14 +306,24 @@ def _bad_inputs(rank: int, world: int) -> dict[str, Any]:
     """Bad options fail on each rank alone: rank 1 tries them only after rank 0 has
     finished, and rank 0 before rank 1 reaches its first collective (any communication in
     the failed calls would pair with the barrier or wait for a peer and time out)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     build, args, _, loss_fn, _ = _problem("mlp_residual")
     model = build()
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))  # made by all ranks
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
     attempts: dict[str, dict[str, Any]] = {
         "schedule": {"schedule": "zigzag"},
         "num_stages": {"num_stages": world + 1},
         "interleaved": {"schedule": "interleaved1f1b"},
         "per_rank": {"schedule": "1f1b", "stages_per_rank": 2},
         "batch": {"n_microbatches": 3},
+        "mesh_dims": {"mesh": flat},
+        "mesh_type": {"mesh": [[0], [1]]},
+        "data_parallel": {"mesh": mesh, "data_parallel": "zero3"},
+        "mesh_and_group": {"mesh": mesh, "group": dist.group.WORLD},
+        "mesh_stages": {"mesh": mesh, "num_stages": 3},
+        "mesh_schedule": {"mesh": mesh, "schedule": "zbvzerobubble", "stages_per_rank": 2},
     }
     if rank == 1:
         dist.barrier()
@@ -341,10 +433,37 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     )
 
 
-def _check_against_eager(name: str, results: list[dict[str, Any]], divide: int = 1) -> None:
-    eager, loss = _eager(name)
-    (rank_loss,) = [r["loss"] for r in results if r["loss"] is not None]
-    assert rank_loss == pytest.approx(loss, rel=1e-5)
+def _check_against_eager(
+    name: str, results: list[dict[str, Any]], divide: int = 1, replicas: int = 1
+) -> None:
+    """Losses and gradients against the eager model on the whole (global) batch. With
+    ``replicas``, each replica's sum-reduced loss covers its slice of the batch, and the
+    replicas average their gradients: each equals the eager one over ``replicas``."""
+    eager, loss = _eager(name, replicas * BATCH)
+    rank_losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert len(rank_losses) == replicas
+    assert sum(rank_losses) == pytest.approx(loss, rel=1e-5)
+    divide *= replicas
+    for replica in range(replicas):
+        _check_replica(eager, [r for r in results if r.get("replica", 0) == replica], divide)
+    # The shards merge into a state dict that loads (strict) into the unpipelined model,
+    # equal to the eager model after the same SGD step (every replica's shards alike).
+    build, args, kwargs, _, _ = _problem(name, replicas * BATCH)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p -= 0.01 * p.grad / divide
+    for replica in range(replicas):
+        fresh = build()
+        shards = (r["shard"] for r in results if r.get("replica", 0) == replica)
+        fresh.load_state_dict(fd.merge_state_dicts(shards), strict=True)
+        with torch.no_grad():
+            pairs = zip(tree_leaves(fresh(*args, **kwargs)), tree_leaves(eager(*args, **kwargs)))
+            for a, b in pairs:
+                _close(a, b, f"output of replica {replica}'s merged state dict")
+
+
+def _check_replica(eager: nn.Module, results: list[dict[str, Any]], divide: int) -> None:
+    """Every gradient of one replica's ranks is eager's over ``divide``, each once."""
     expected = {k: p.grad for k, p in eager.named_parameters()}
     got: dict[str, torch.Tensor] = {}
     for r in results:
@@ -353,17 +472,6 @@ def _check_against_eager(name: str, results: list[dict[str, Any]], divide: int =
             _close(grad, expected[key] / divide, f"grad of {key} on stages {r['stages']}")
             got[key] = grad
     assert set(got) == {k for k, p in eager.named_parameters() if p.grad is not None}
-    # The shards merge into a state dict that loads (strict) into the unpipelined model,
-    # equal to the eager model after the same SGD step.
-    build, args, kwargs, _, _ = _problem(name)
-    with torch.no_grad():
-        for p in eager.parameters():
-            p -= 0.01 * p.grad / divide
-    fresh = build()
-    fresh.load_state_dict(fd.merge_state_dicts(r["shard"] for r in results), strict=True)
-    with torch.no_grad():
-        for a, b in zip(tree_leaves(fresh(*args, **kwargs)), tree_leaves(eager(*args, **kwargs))):
-            _close(a, b, "output of the merged state dict")
 
 
 # ---------------------------------------------------------------------------- tests
@@ -378,6 +486,71 @@ def test_two_ranks_match_eager(tmp_path: Path, name: str, schedule: str) -> None
     results = _results(_launch(_train, 2, tmp_path, name=name, schedule=schedule))
     assert [r["stages"] for r in results] == [(0,), (1,)]
     _check_against_eager(name, results)
+
+
+@pytest.mark.parametrize(
+    "name, schedule, spr",
+    sweep([("unet", "1f1b", 1), ("transformer", "gpipe", 1), ("unet", "loopedbfs", 2)]),
+)
+def test_two_stages_by_two_replicas_match_eager_on_the_global_batch(
+    tmp_path: Path, name: str, schedule: str, spr: int
+) -> None:
+    """A 2 x 2 mesh: two pipeline replicas (DDP over "dp"), each fed half the batch; long
+    skips (unet), a tied embedding (transformer), two stages per rank (looped BFS)."""
+    runs = _launch(_train, 4, tmp_path, name=name, schedule=schedule, spr=spr, dp=2)
+    results = _results(runs)
+    per_rank = [tuple(range(j, 2 * spr, 2)) for j in range(2)]
+    assert [r["stages"] for r in results] == [per_rank[0], per_rank[0], per_rank[1], per_rank[1]]
+    assert [r["replica"] for r in results] == [0, 1, 0, 1]
+    _check_against_eager(name, results, replicas=2)
+
+
+def test_a_checkpoint_saved_at_two_by_two_resumes_at_four_by_one_and_in_eager(
+    tmp_path: Path,
+) -> None:
+    """torch.distributed.checkpoint writes one checkpoint for a 2 x 2 job; a 4 x 1 job and
+    the unpipelined model read it back with identical tensors, and training resumes with
+    the losses of an uninterrupted eager run (the optimizer's momentum included)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, other = tmp_path / "checkpoint", tmp_path / "other"
+    dcp.save({"model": ResidualMLP().state_dict()}, checkpoint_id=str(other))
+    results = _results(_launch(_resume, 4, tmp_path, folder=str(folder), other=str(other)))
+    for r in results:  # another model's checkpoint, and none at all: refused by each rank
+        assert len(r["refused"]) == 2, r["refused"]
+        assert "does not match stage(s)" in r["refused"][0] and "it lacks" in r["refused"][0]
+        assert "not a torch.distributed.checkpoint folder" in r["refused"][1]
+    _, args, _, _, target = _problem("transformer", 2 * BATCH)
+    eager = _tiny_gpt()
+    optimizer = _optimizer(eager.parameters())
+    losses = []
+    after_first: dict[str, torch.Tensor] = {}
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = _lm_mean(eager(*args), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        after_first = after_first or {k: v.clone() for k, v in eager.state_dict().items()}
+    replicas = [r["losses"][0] for r in results if r["losses"][0] == r["losses"][0]]
+    assert len(replicas) == 2  # each replica's mean loss: their mean is the global one
+    assert sum(replicas) / 2 == pytest.approx(losses[0], rel=1e-5)
+    saved = fd.merge_state_dicts(r["shard"] for r in results if "shard" in r)
+    loaded = fd.merge_state_dicts(r["loaded"] for r in results)
+    assert saved.keys() == loaded.keys() == _tiny_gpt().state_dict().keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
+        if value.is_floating_point():
+            _close(value, after_first[key], f"{key} after one step")
+        else:
+            assert torch.equal(value, after_first[key]), key
+    resumed = [r["resumed"] for r in results if r["resumed"][0] == r["resumed"][0]]
+    assert len(resumed) == 1 and resumed[0] == pytest.approx(losses[1:], rel=1e-4)
+    fresh = _tiny_gpt()
+    state = fresh.state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(folder))  # one process: the eager model
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
 
 
 @pytest.mark.slow
@@ -466,6 +639,13 @@ def test_bad_options_fail_on_every_rank_before_communication(tmp_path: Path) -> 
         assert "stages_per_rank=1" in errors["interleaved"][1]
         assert "stages_per_rank=2" in errors["per_rank"][1]
         assert "n_microbatches=3" in errors["batch"][1]
+        assert "('pp', 'dp')" in errors["mesh_dims"][1] and "('dp',)" in errors["mesh_dims"][1]
+        assert "not a torch DeviceMesh" in errors["mesh_type"][1]
+        assert "data_parallel='zero3'" in errors["data_parallel"][1]
+        assert "pass mesh alone" in errors["mesh_and_group"][1]
+        assert "num_stages=3" in errors["mesh_stages"][1]
+        assert "'pp'" in errors["mesh_stages"][1]
+        assert "splits backward" in errors["mesh_schedule"][1]
 
 
 @pytest.mark.slow

@@ -27,6 +27,8 @@ Modules:
   shared parameters, state-dict shards.
 - ``ownership``: which of the model's tensors a rank keeps; releasing and materialising
   them; :func:`merge_state_dicts`.
+- ``mesh``: pipeline x data parallel: the ``"pp"`` and ``"dp"`` groups of a 2-D
+  ``DeviceMesh``, and each stage wrapped in DDP over ``"dp"``.
 """
 
 from fxpipe.distributed.build import SCHEDULES, pipeline_schedule

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
+from fxpipe.distributed.mesh import mesh_layout
 from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
@@ -64,6 +65,8 @@ def pipeline_schedule(
     tracer: TracerName = "auto",
     scale_grads: bool = False,
     slack: float = 0.0,
+    mesh: Any = None,
+    data_parallel: str = "ddp",
 ) -> DistributedPipeline:
     """Plan ``model`` into ``world_size * stages_per_rank`` stages; build this rank's part.
 
@@ -86,10 +89,20 @@ def pipeline_schedule(
     broadcasts the measured costs, and every rank plans with them (``"auto"`` is
     ``"flops"``).
 
+    ``mesh``: a 2-D ``DeviceMesh`` with dimensions ``("pp", "dp")`` spanning every rank:
+    each ``"dp"`` coordinate is one pipeline replica over its ``"pp"`` group (``group``
+    is then not given), every replica makes the same plan, and each stage's replicas
+    average their gradients (``data_parallel="ddp"``: torch's DistributedDataParallel).
+    ``example_input`` and every step's batch are one replica's; with a mean-reduced loss
+    and ``scale_grads=True`` the gradients are those of the mean loss over the global
+    batch.
+
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
     kind = _check_options(schedule, n_microbatches, stages_per_rank, scale_grads)
+    layout = mesh_layout(mesh, group, data_parallel, kind)
+    group = layout.pp_group
     options = PlanOptions(
         cost="flops" if cost == "auto" else cost,
         tracer=tracer,
@@ -98,7 +111,7 @@ def pipeline_schedule(
         traffic="relay",
     )
     world = dist.get_world_size(group)
-    total = _stage_count(world, stages_per_rank, num_stages)
+    total = _stage_count(world, stages_per_rank, num_stages, mesh=mesh is not None)
     target = _default_device(group) if device is None else parse_device(device)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})
@@ -109,8 +122,10 @@ def pipeline_schedule(
     devices = [target] * total
     if cost == "time":
         timed = options
-        measured = _measured_costs(
-            lambda: _compile(model, args, kwargs, devices, timed), group, target
+        measured = _measured_costs(  # with a mesh: one measurement for every replica
+            lambda: _compile(model, args, kwargs, devices, timed),
+            group if mesh is None else None,
+            target,
         )
         options = replace(options, cost=measured)
     compiled = _compile(model, args, kwargs, devices, options)
@@ -120,6 +135,8 @@ def pipeline_schedule(
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
     config = (kind, n_microbatches, stages_per_rank, scale_grads, _shapes(values))
     _check_agreement(plan, program, config, group, target)
+    if layout.dp_group is not None:  # and every replica alike
+        _check_agreement(plan, program, config, layout.dp_group, target)
     return DistributedPipeline(
         model,
         plan,
@@ -133,13 +150,22 @@ def pipeline_schedule(
         n_microbatches=n_microbatches,
         loss_fn=loss_fn,
         scale_grads=scale_grads,
+        layout=layout,
     )
 
 
-def _stage_count(world: int, stages_per_rank: int, num_stages: int | None) -> int:
+def _stage_count(
+    world: int, stages_per_rank: int, num_stages: int | None, *, mesh: bool = False
+) -> int:
     """``world * stages_per_rank``; ConfigError when ``num_stages`` says otherwise."""
     total = world * stages_per_rank
     if num_stages is not None and num_stages != total:
+        if mesh:
+            raise ConfigError(
+                f"num_stages={num_stages} but the mesh's 'pp' dimension has {world} rank(s) "
+                f"x stages_per_rank={stages_per_rank} = {total} stages; make the mesh with "
+                "pp * stages_per_rank == num_stages"
+            )
         raise ConfigError(
             f"num_stages={num_stages} but the group has {world} rank(s) x stages_per_rank="
             f"{stages_per_rank} = {total} stages; launch num_stages / stages_per_rank "

@@ -4,6 +4,8 @@ the gradients of parameters shared with other ranks, and its state-dict shard.""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,8 +16,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_unflatten
 
+from fxpipe.distributed.mesh import Layout
 from fxpipe.distributed.ownership import Ownership, merge_state_dicts
-from fxpipe.errors import ConfigError
+from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.trace.binding import InputBinder
 
@@ -52,8 +55,10 @@ class DistributedPipeline:
         n_microbatches: int,
         loss_fn: Callable[..., torch.Tensor] | None,
         scale_grads: bool,
+        layout: Layout | None = None,
     ) -> None:
         self.plan, self.group, self.device = plan, group, device
+        self.layout = layout or Layout(group)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_stages = plan.num_stages
         self.stage_indices = tuple(j for j, r in enumerate(ranks) if r == self.rank)
@@ -61,6 +66,7 @@ class DistributedPipeline:
         self.is_first = 0 in self.stage_indices
         self.is_last = self.num_stages - 1 in self.stage_indices
         self._leaves, self._spec = program.output_leaves, program.output_spec
+        self._model = model
         self._own = Ownership(model, program, ranks, self.rank)
         self._own.place(device, [model, plan.graph_module, *program.modules])
         copies = kind in SPLIT_BACKWARD
@@ -89,7 +95,7 @@ class DistributedPipeline:
             outputs = tuple(outputs[i] for i in take)
         module = _StageModule(program.modules[j], binder, take, copies)
         stage = _Stage(
-            module,
+            self.layout.wrap(module, self.device),
             j,
             self.num_stages,
             self.device,
@@ -114,6 +120,68 @@ class DistributedPipeline:
         """This rank's shard under the model's own keys (persistent entries only)."""
         own = self._own
         return {k: t.detach() for k, t in own.tensors.items() if k in own.persistent}
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The state of ``optimizer`` (over :meth:`parameters`) under the model's own keys,
+        one entry per parameter and setting (``flatten_optimizer_state_dict``), as
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` makes it:
+        with :meth:`state_dict`, what ``torch.distributed.checkpoint.save`` writes once for
+        the whole job. An optimizer that has not stepped gets zero state first, so that the
+        dict can be loaded into (``torch.distributed.checkpoint.load`` fills it in place)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)  # one entry per key
+        return get_optimizer_state_dict(self._model, optimizer, options=flat)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Put ``state`` (from :meth:`optimizer_state_dict`, of this or another layout, filled
+        by ``torch.distributed.checkpoint.load``) into ``optimizer``."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        set_optimizer_state_dict(self._model, optimizer, state, options=flat)
+
+    def save_checkpoint(
+        self, path: str | PathLike[str], optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Write one checkpoint for the whole job with ``torch.distributed.checkpoint.save``:
+        ``{"model": state_dict(), "optim": optimizer_state_dict(optimizer)}`` under the
+        model's keys, each tensor once. A collective: call it on every rank."""
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        save(self._checkpoint_state(optimizer), checkpoint_id=str(path))
+
+    def load_checkpoint(
+        self, path: str | PathLike[str], optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """Read a checkpoint :meth:`save_checkpoint` wrote (at any layout, or by
+        ``torch.distributed.checkpoint.save`` from the unpipelined model's ``{"model":
+        state_dict}``) into this rank's stages, and ``optimizer``'s state when given.
+
+        Before any communication, each rank checks that the checkpoint holds every key it
+        needs with its shape: ``CheckpointError`` naming them otherwise. A collective."""
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        state = self._checkpoint_state(optimizer)
+        _check_checkpoint(path, state, self.stage_indices)
+        load(state, checkpoint_id=str(path))
+        self._own.uninitialised.clear()
+        if optimizer is not None:
+            self.load_optimizer_state_dict(optimizer, state["optim"])
+
+    def _checkpoint_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.state_dict()}
+        if optimizer is not None:
+            state["optim"] = self.optimizer_state_dict(optimizer)
+        return state
 
     def load_stage_state_dict(self, full_state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy this rank's entries from a full (unpipelined) state dict into its stages.
@@ -185,6 +253,44 @@ class DistributedPipeline:
         the last stage's rank (None elsewhere)."""
         out = self.schedule.step(*args, target=target, losses=losses, **kwargs)
         return None if out is None else self.unflatten_output(out)
+
+
+def _check_checkpoint(
+    path: str | PathLike[str], state: Mapping[str, Any], stages: tuple[int, ...]
+) -> None:
+    """CheckpointError unless the checkpoint at ``path`` has every tensor of ``state`` (as
+    torch.distributed.checkpoint flattens it) with the same shape; reads its metadata only."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    where = Path(path)
+    if not (where / ".metadata").is_file():
+        raise CheckpointError(
+            f"{str(path)!r} is not a torch.distributed.checkpoint folder (no .metadata "
+            "file); pass the folder save_checkpoint or torch.distributed.checkpoint.save "
+            "wrote"
+        )
+    stored = FileSystemReader(str(where)).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(dict(state))
+    missing, shapes = [], []
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        meta = stored.get(key)
+        size = getattr(meta, "size", None)
+        if meta is None:
+            missing.append(key)
+        elif size is not None and tuple(size) != tuple(value.shape):
+            shapes.append(f"{key}: {tuple(size)} in the checkpoint, {tuple(value.shape)} here")
+    if missing or shapes:
+        raise CheckpointError(
+            f"the checkpoint {str(path)!r} does not match stage(s) {list(stages)}: "
+            + (f"it lacks {missing[:5]} ({len(missing)} in all)" if missing else "")
+            + ("; " if missing and shapes else "")
+            + (f"shapes differ: {shapes[:5]}" if shapes else "")
+            + "; load a checkpoint of this model (and pass optimizer only when the "
+            "checkpoint has its state)"
+        )
 
 
 class _StageModule(nn.Module):
