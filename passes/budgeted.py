@@ -128,7 +128,7 @@ def fit_budgets(
             candidates.append(one)
     if len(shared) == 1 and search.exact:  # that search was exact over every split
         if not candidates:
-            raise _no_fit_error(search, priced, model, budgets)
+            raise _no_fit_error(search, priced, model, budgets, least)
         best = min(candidates, key=lambda c: (c[3], c[2]))
         return best, "searched exactly with the shared budget on the stages' sum"
     if candidates:  # divisions of shared budgets only when nothing else fits
@@ -152,15 +152,16 @@ def fit_budgets(
         elif not candidates:  # look near it: shrink a stage of each device it overflows
             divisions.extend(_shrunk(priced.stage_bytes(found_here[0]), groups, budgets))
     if not candidates:
-        raise _no_fit_error(search, priced, model, budgets)
+        raise _no_fit_error(search, priced, model, budgets, least)
     best = min(candidates, key=lambda c: (c[3], c[2]))
     return best, "searched with each shared budget on its stages' sum, or divided among them"
 
 
 def _gib(size: float) -> str:
-    """Bytes in GiB: two decimals, or three significant digits below 0.1 GiB."""
+    """Bytes in GiB: three decimals, or four significant digits below 1 GiB (enough to set
+    a budget from)."""
     gib = float(size) / _GIB
-    return f"{gib:.2f}" if gib >= 0.1 else f"{gib:.3g}"
+    return f"{gib:.3f}" if gib >= 1 else f"{gib:.4g}"
 
 
 def _one_device_exact(
@@ -255,12 +256,18 @@ def _shares_like(per_stage: np.ndarray, groups: Groups, budgets: np.ndarray) -> 
 
 
 def _no_fit_error(
-    search: Search, priced: UnitMemory, model: MemoryModel, budgets: np.ndarray
+    search: Search,
+    priced: UnitMemory,
+    model: MemoryModel,
+    budgets: np.ndarray,
+    least: np.ndarray | None = None,
 ) -> MemoryPlanError:
-    """The error naming, device by device, what the least-memory split needs, and the
-    remedies that make it fit."""
+    """The error naming, device by device, what the least-memory split needs (``least``,
+    when the caller has searched for it with equal shares already), and the remedies that
+    make it fit."""
     groups = model.device_groups()
-    least = search.least_memory(StageFit(None, priced, _equal_shares(groups, budgets)))
+    if least is None:
+        least = search.least_memory(StageFit(None, priced, _equal_shares(groups, budgets)))
     which = "no split" if search.exact else "no split found (orders and windows tried)"
     header = (
         f"{which} of the model into {search.k} stages fits the devices' memory with "
