@@ -185,6 +185,13 @@ class Entering:
     readers: tuple[int, ...]
     #: The model output reads it (in the last stage).
     to_output: bool
+    #: Cut with the batch; else (a weight sent on, such as a tied embedding) every
+    #: micro-batch receives the whole value, so its bytes count ``chunks`` times over.
+    batched: bool = True
+
+    def whole_batch_bytes(self, chunks: int) -> float:
+        """Its bytes over the whole example batch, which the coefficients scale."""
+        return float(self.bytes if self.batched else self.bytes * chunks)
 
 
 @dataclass(frozen=True)
@@ -256,7 +263,7 @@ class UnitMemory:
             else:
                 made = int(unit_stage[v.producer])
             for j in reading - {made}:
-                received[j] += v.bytes
+                received[j] += v.whole_batch_bytes(self.chunks)
         saved_coef, input_coef = self.coefficients()
         return self.copies * params, saved_coef * saved + input_coef * received
 
@@ -309,17 +316,19 @@ class UnitMemory:
         """The memory of every stage ``I - J`` of the ideals (rows ordered by size, as
         :func:`fxpipe.passes.ideals.enumerate_ideals` returns them)."""
         saved_coef, input_coef = self.coefficients()
-        key = (id(ideals), tuple(saved_coef), tuple(input_coef), self.copies)
+        key = (id(ideals), tuple(saved_coef), tuple(input_coef), self.copies, self.chunks)
         cached = self._tables.get(key)
         if cached is not None and cached[0] is ideals:
             return cached[1]
-        base = self._tables.get((id(ideals),))
+        # received bytes depend on chunks when a whole value is sent with every micro-batch
+        sent_whole = self.chunks if any(not v.batched for v in self.values) else 0
+        base = self._tables.get((id(ideals), sent_whole))
         if base is None or base[0] is not ideals:
             self._tables.clear()
             params, saved, received = self._ideal_tables(ideals)
             base = (ideals, IdealMemory(params, saved, received, saved_coef, input_coef,
                                         len(ideals)))  # fmt: skip
-            self._tables[(id(ideals),)] = base
+            self._tables[(id(ideals), sent_whole)] = base
         raw = base[1]
         table = IdealMemory(
             self.copies * raw.params, raw.saved, raw.received, saved_coef, input_coef, raw.count
@@ -339,7 +348,7 @@ class UnitMemory:
             pattern = pattern.reshape(-1)
             held = pattern[:, None] != pattern[None, :]  # some holder starts in I - J
             (params if item.param else saved)[...] += item.bytes * held
-        return params, saved, _received_on_ideals(ideals, self.values)
+        return params, saved, _received_on_ideals(ideals, self.values, self.chunks)
 
     @staticmethod
     def _holder_in(holder: tuple[int, ...], ideals: np.ndarray) -> np.ndarray:
@@ -378,7 +387,7 @@ class UnitMemory:
                 made = int(position[v.producer])
             before = made
             for r in sorted(p for p in reads if p > made):
-                events[r].append((2, before, float(v.bytes)))
+                events[r].append((2, before, v.whole_batch_bytes(self.chunks)))
                 before = r
         order_array = np.asarray(order, dtype=np.int64)
         params = np.concatenate([[0.0], np.cumsum(self.param_add[order_array])])
@@ -478,7 +487,7 @@ class OrderMemory:
         return np.asarray(p + self.saved_coef[j] * s + self.input_coef[j] * received)
 
 
-def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering]) -> np.ndarray:
+def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering], chunks: int) -> np.ndarray:
     """``out[I, J]``: bytes stage ``I - J`` receives: values made in J and read in I - J.
 
     With ``c(I)`` the number of v's readers in I (the output reads in the full ideal only),
@@ -489,7 +498,7 @@ def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering]) -> np.nd
     last[-1] = 1
     grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
     for v in values:
-        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
+        grouped[(v.producer, v.readers, v.to_output)] += v.whole_batch_bytes(chunks)
     receives, sends = [], []
     for (producer, readers, to_output), size in grouped.items():
         if producer == MODEL_INPUT:

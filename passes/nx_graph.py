@@ -19,7 +19,14 @@ from fxpipe.passes.ops import (
     viewed_input,
 )
 
-__all__ = ["to_networkx", "readers", "carries_value", "replicated_attrs", "COMPUTE_OPS"]
+__all__ = [
+    "to_networkx",
+    "readers",
+    "carries_value",
+    "replicated_attrs",
+    "batched_nodes",
+    "COMPUTE_OPS",
+]
 
 
 def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
@@ -41,6 +48,7 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
     """
     g = nx.DiGraph()
     shared = replicated_attrs(gm)
+    batched = batched_nodes(gm)
     for index, node in enumerate(gm.graph.nodes):
         c = costs.nodes[node.name]
         g.add_node(
@@ -53,6 +61,7 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
             param_bytes=c.param_bytes,
             saved_bytes=c.saved_bytes,
             replicated=node.name in shared,
+            batched=node.name in batched,
         )
         for arg in node.all_input_nodes:
             a = costs.nodes[arg.name]
@@ -143,3 +152,14 @@ def _alias_groups(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:
     for node in gm.graph.nodes:
         groups.setdefault(find(node), set()).add(node)
     return {n: frozenset(groups[find(n)]) for n in gm.graph.nodes}
+
+
+def batched_nodes(gm: fx.GraphModule) -> set[str]:
+    """Names of the nodes computed from a model input: their values are cut with the batch.
+    The others (a weight read by ``get_attr``, what is computed from weights alone) are the
+    same whole value in every micro-batch."""
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out

@@ -105,6 +105,8 @@ class _Value:
     producer: int
     readers: tuple[int, ...]
     to_output: bool
+    #: Cut with the batch (False: a weight, the same whole value for every micro-batch).
+    batched: bool = True
 
 
 def partition_graph(
@@ -338,7 +340,7 @@ class _Search:
 
 def _entering(values: list[_Value]) -> list[Entering]:
     """``values`` as :class:`fxpipe.passes.memory.Entering` (the same producer codes)."""
-    return [Entering(v.bytes, v.producer, v.readers, v.to_output) for v in values]
+    return [Entering(v.bytes, v.producer, v.readers, v.to_output, v.batched) for v in values]
 
 
 def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
@@ -387,7 +389,8 @@ def _values(g: nx.DiGraph, units: Units, traffic: Traffic) -> list[_Value]:
         others = sorted({r for r in reader_units if r != producer})
         lone_attr = producer == FIRST_READER and len(others) < 2
         if (others or to_output) and not lone_attr:
-            out.append(_Value(int(data["bytes"]), producer, tuple(others), to_output))
+            batched = bool(data.get("batched", True))
+            out.append(_Value(int(data["bytes"]), producer, tuple(others), to_output, batched))
     return out
 
 
@@ -465,7 +468,7 @@ def _coarse_values(values: list[_Value], of_unit: np.ndarray) -> list[_Value]:
         others = sorted({int(of_unit[r]) for r in v.readers} - {producer})
         lone_attr = producer == FIRST_READER and len(others) < 2
         if (others or v.to_output) and not lone_attr:
-            out.append(_Value(v.bytes, producer, tuple(others), v.to_output))
+            out.append(_Value(v.bytes, producer, tuple(others), v.to_output, v.batched))
     return out
 
 

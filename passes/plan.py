@@ -10,7 +10,7 @@ Training memory of a stage (GPipe, activations re-materialised when checkpointin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from operator import attrgetter
 
 import networkx as nx
@@ -20,7 +20,7 @@ import torch.fx as fx
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
 from fxpipe.passes.memory import ESTIMATE, PARAM_COPIES, memory_terms, param_copies
-from fxpipe.passes.nx_graph import replicated_attrs
+from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
 from fxpipe.passes.ops import module_path
 from fxpipe.passes.partition import Partition
 
@@ -48,6 +48,7 @@ def build_plan(
     speed = [1.0] * k if speeds is None else [float(v) for v in speeds]
     stage_of = partition.stage_of
     names = [n.name for n in gm.graph.nodes]
+    batched = batched_nodes(gm)
     edges = _edges(gm, costs, stage_of, relay=partition.traffic == "relay")
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = {a.name for a in output.all_input_nodes}
@@ -68,8 +69,9 @@ def build_plan(
             outputs=outputs,
         )
         memory = stage_memory(
-            stage, costs, chunks=chunks, checkpoint=checkpoint, last=j == k - 1, training=training
-        )
+            stage, costs, chunks=chunks, checkpoint=checkpoint, last=j == k - 1,
+            training=training, batched=batched,
+        )  # fmt: skip
         stages.append(_with_memory(stage, memory))
     if capacity is not None:
         _check_fits(stages, capacity, chunks, training)
@@ -154,11 +156,18 @@ def stage_memory(
     checkpoint: str,
     last: bool,
     training: bool = True,
+    batched: Container[str] | None = None,
 ) -> int:
     """Estimated bytes a stage holds at its peak in one training step (or, with
-    ``training=False``, one inference call: weights once, one micro-batch in flight)."""
+    ``training=False``, one inference call: weights once, one micro-batch in flight).
+    ``batched``: the names of the values cut with the batch (None: all of them)."""
     saved = sum(costs.nodes[n].saved_bytes for n in stage.nodes)
-    inputs = sum(costs.nodes[v].output_bytes for v in stage.inputs)
+
+    def whole_batch(v: str) -> int:  # a value not cut with the batch (a weight sent on)
+        size = costs.nodes[v].output_bytes  # arrives whole with every micro-batch
+        return size if batched is None or v in batched else size * chunks
+
+    inputs = sum(whole_batch(v) for v in stage.inputs)
     saved_coef, input_coef = memory_terms(chunks, checkpoint, last=last, training=training)
     activations = saved_coef * saved + input_coef * inputs
     return int(param_copies(training) * stage.param_bytes + activations)
@@ -172,13 +181,16 @@ def training_overflow(
     need: dict[str, int] = {}
     have: dict[str, int] = {}
     k = plan.num_stages
+    batched = batched_nodes(plan.graph_module)
     for s in plan.stages:
         limit = plan.capacities[s.index] if plan.capacities else None
         if limit is None:
             continue
         key = str(s.device)
         last = s.index == k - 1
-        memory = stage_memory(s, plan.costs, chunks=chunks, checkpoint=checkpoint, last=last)
+        memory = stage_memory(
+            s, plan.costs, chunks=chunks, checkpoint=checkpoint, last=last, batched=batched
+        )
         need[key] = need.get(key, 0) + memory
         have[key] = limit
     return {d: (n, have[d]) for d, n in need.items() if n > have[d]}

@@ -727,6 +727,49 @@ def test_a_shared_cpu_budget_holds_every_stage_and_the_pipeline_runs() -> None:
         fxpipe.plan(model, x, ["cpu"] * 3, cost=_each_module_costs_one, max_memory=need // 4)
 
 
+class TiedLM(nn.Module):
+    """A large tied embedding, a few small layers: the head's stage receives the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, 64)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, 4096, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_weight_sent_to_a_later_stage_counts_once_per_micro_batch_held(training: bool) -> None:
+    """The tied weight reaches the head's stage whole with every micro-batch: in training
+    (checkpoint='except_last': the inputs of chunks - 1 micro-batches kept) that stage holds
+    a copy per kept micro-batch, so 8 chunks hold 4 copies more than 4; in inference, one."""
+    torch.manual_seed(0)
+    model, ids = TiedLM().train(training), torch.randint(0, 4096, (8, 1))
+    weight = 4096 * 64 * 4
+
+    def head_stage(chunks: int) -> Any:
+        plan = fxpipe.plan(model, ids, GPUS[:2], cost="flops", chunks=chunks)
+        (edge,) = [e for e in plan.edges if e.bytes == weight]  # the weight, sent on
+        (stage,) = [plan.stages[j] for j in edge.consumers]
+        return stage
+
+    four, eight = head_stage(4), head_stage(8)
+    assert four.nodes == eight.nodes
+    grown = eight.memory_bytes - four.memory_bytes
+    if training:
+        assert grown == pytest.approx(4 * weight, rel=0.02)
+        assert four.memory_bytes > 3 * weight + 4 * four.param_bytes
+    else:
+        assert abs(grown) < 0.02 * weight
+        assert four.memory_bytes >= weight + four.param_bytes
+
+
 def test_training_a_pipeline_planned_for_inference_warns_once_when_it_would_not_fit() -> None:
     torch.manual_seed(0)
     model, x = Tapered().eval(), torch.randn(16, 96)
