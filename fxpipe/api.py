@@ -35,7 +35,7 @@ from fxpipe.model_state import preserved
 from fxpipe.options import PlanOptions, RunOptions
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.memory import memory_model
-from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.nx_graph import replicate_shared_weights, to_networkx
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.split_stages import split_stages
@@ -288,6 +288,8 @@ def compile_model(
     batch = example_batch(inspect.signature(model.forward), args, example_kwargs or {})
     with phase("trace", f"{type(model).__name__} (tracer={options.tracer!r})"):
         traced = trace(model, args, example_kwargs, tracer=options.tracer)
+    if options.replicate_weights:
+        replicate_shared_weights(traced.graph_module)
     with phase("check", "outputs follow the batch"):
         with preserved(model), fake_runnable(model):  # fake runs may write into buffers
             check_outputs_follow_batch(traced, batch)

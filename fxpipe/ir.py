@@ -261,6 +261,11 @@ class StageProgram:
     output_spec: TreeSpec
     #: How boundary values travel between the stages (see :data:`Traffic`).
     traffic: Traffic = "direct"
+    #: Boundary values not cut with the batch (a weight read in one stage and used in
+    #: later ones, such as a tied embedding): the same whole value in every micro-batch,
+    #: so the runtime moves each to a device once per call and every micro-batch reads that
+    #: copy (its gradient comes back once, summed).
+    whole: frozenset[str] = frozenset()
 
     @property
     def num_stages(self) -> int:

@@ -57,6 +57,10 @@ class PlanOptions:
     max_memory: MaxMemory = None
     #: Relative throughput of each device (:mod:`fxpipe.budgets`; None: all equal).
     speed: Speed = None
+    #: Every stage reading a shared weight (a tied embedding and head) holds it, rather
+    #: than receiving it from the first with every micro-batch: for runtimes that sum the
+    #: copies' gradients once per step (one process per stage).
+    replicate_weights: bool = False
 
     def __post_init__(self) -> None:
         check_cost(self.cost)
@@ -67,6 +71,8 @@ class PlanOptions:
         check_choice("traffic", self.traffic, TRAFFIC)
         object.__setattr__(self, "max_memory", parse_max_memory(self.max_memory))
         object.__setattr__(self, "speed", parse_speed(self.speed))
+        if not isinstance(self.replicate_weights, bool):
+            raise ConfigError(f"replicate_weights={self.replicate_weights!r} must be a bool")
 
     def pricing(self) -> PricingMode | Callable[[fx.Node], float]:
         """The cost mode the pricing pass runs: ``"auto"`` is the analytic roofline, the same

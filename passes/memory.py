@@ -45,6 +45,7 @@ __all__ = [
     "OrderMemory",
     "checkpointed",
     "param_copies",
+    "whole_coef",
     "memory_terms",
     "memory_model",
     "unit_memory",
@@ -78,6 +79,12 @@ def checkpointed(chunks: int, checkpoint: str, *, last: bool) -> int:
     if last and checkpoint == "except_last":
         count = chunks - 1
     return count
+
+
+def whole_coef(training: bool) -> float:
+    """Copies of a whole value (not cut with the batch) a stage receiving it holds: the
+    value, and in training its gradient."""
+    return 2.0 if training else 1.0
 
 
 def param_copies(training: bool) -> int:
@@ -185,13 +192,10 @@ class Entering:
     readers: tuple[int, ...]
     #: The model output reads it (in the last stage).
     to_output: bool
-    #: Cut with the batch; else (a weight sent on, such as a tied embedding) every
-    #: micro-batch receives the whole value, so its bytes count ``chunks`` times over.
+    #: Cut with the batch; else (a weight sent on, such as a tied embedding) the same
+    #: whole value for every micro-batch, which the runtime sends once per step: a stage
+    #: receiving it holds one copy (and, in training, its gradient): ``whole_coef``.
     batched: bool = True
-
-    def whole_batch_bytes(self, chunks: int) -> float:
-        """Its bytes over the whole example batch, which the coefficients scale."""
-        return float(self.bytes if self.batched else self.bytes * chunks)
 
 
 @dataclass(frozen=True)
@@ -251,7 +255,7 @@ class UnitMemory:
                     params[j] += item.bytes
                 else:
                     saved[j] += item.bytes
-        received = np.zeros(k)
+        received, whole = np.zeros(k), np.zeros(k)
         for v in self.values:
             reading = {int(unit_stage[r]) for r in v.readers}
             if v.to_output:
@@ -263,9 +267,10 @@ class UnitMemory:
             else:
                 made = int(unit_stage[v.producer])
             for j in reading - {made}:
-                received[j] += v.whole_batch_bytes(self.chunks)
+                (received if v.batched else whole)[j] += v.bytes
         saved_coef, input_coef = self.coefficients()
-        return self.copies * params, saved_coef * saved + input_coef * received
+        fixed = whole_coef(self.training) * whole
+        return self.copies * params, saved_coef * saved + input_coef * received + fixed
 
     def stage_bytes(self, unit_stage: np.ndarray) -> np.ndarray:
         """Estimated memory of each stage of ``unit_stage`` (stage ids 0..k-1)."""
@@ -316,28 +321,30 @@ class UnitMemory:
         """The memory of every stage ``I - J`` of the ideals (rows ordered by size, as
         :func:`fxpipe.passes.ideals.enumerate_ideals` returns them)."""
         saved_coef, input_coef = self.coefficients()
-        key = (id(ideals), tuple(saved_coef), tuple(input_coef), self.copies, self.chunks)
+        key = (id(ideals), tuple(saved_coef), tuple(input_coef), self.copies)
         cached = self._tables.get(key)
         if cached is not None and cached[0] is ideals:
             return cached[1]
-        # received bytes depend on chunks when a whole value is sent with every micro-batch
-        sent_whole = self.chunks if any(not v.batched for v in self.values) else 0
-        base = self._tables.get((id(ideals), sent_whole))
+        base = self._tables.get((id(ideals),))
         if base is None or base[0] is not ideals:
             self._tables.clear()
-            params, saved, received = self._ideal_tables(ideals)
+            params, saved, received, whole = self._ideal_tables(ideals)
             base = (ideals, IdealMemory(params, saved, received, saved_coef, input_coef,
-                                        len(ideals)))  # fmt: skip
-            self._tables[(id(ideals), sent_whole)] = base
+                                        len(ideals), whole))  # fmt: skip
+            self._tables[(id(ideals),)] = base
         raw = base[1]
         table = IdealMemory(
-            self.copies * raw.params, raw.saved, raw.received, saved_coef, input_coef, raw.count
-        )
+            self.copies * raw.params, raw.saved, raw.received, saved_coef, input_coef, raw.count,
+            whole_coef(self.training) * raw.whole,
+        )  # fmt: skip
         self._tables[key] = (ideals, table)
         return table
 
-    def _ideal_tables(self, ideals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Parameter, saved and received bytes of every stage ``I - J``."""
+    def _ideal_tables(
+        self, ideals: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Parameter, saved, received (cut with the batch) and received whole bytes of every
+        stage ``I - J``."""
         rows = ideals.astype(np.float64)
         p_in, s_in = rows @ self.param_add, rows @ self.saved_add
         params = p_in[:, None] - p_in[None, :]
@@ -348,7 +355,14 @@ class UnitMemory:
             pattern = pattern.reshape(-1)
             held = pattern[:, None] != pattern[None, :]  # some holder starts in I - J
             (params if item.param else saved)[...] += item.bytes * held
-        return params, saved, _received_on_ideals(ideals, self.values, self.chunks)
+        batched = [v for v in self.values if v.batched]
+        whole = [v for v in self.values if not v.batched]
+        return (
+            params,
+            saved,
+            _received_on_ideals(ideals, batched),
+            _received_on_ideals(ideals, whole),
+        )
 
     @staticmethod
     def _holder_in(holder: tuple[int, ...], ideals: np.ndarray) -> np.ndarray:
@@ -386,16 +400,18 @@ class UnitMemory:
             else:
                 made = int(position[v.producer])
             before = made
+            kind = 2 if v.batched else 3
             for r in sorted(p for p in reads if p > made):
-                events[r].append((2, before, v.whole_batch_bytes(self.chunks)))
+                events[r].append((kind, before, float(v.bytes)))
                 before = r
         order_array = np.asarray(order, dtype=np.int64)
         params = np.concatenate([[0.0], np.cumsum(self.param_add[order_array])])
         saved = np.concatenate([[0.0], np.cumsum(self.saved_add[order_array])])
         saved_coef, input_coef = self.coefficients()
         return OrderMemory(
-            self.copies * params, saved, events, saved_coef, input_coef, copies=self.copies
-        )
+            self.copies * params, saved, events, saved_coef, input_coef, copies=self.copies,
+            whole=whole_coef(self.training),
+        )  # fmt: skip
 
     def _holder_position(self, holder: tuple[int, ...], position: np.ndarray, num: int) -> int:
         if holder == (FIRST_STAGE,):
@@ -416,6 +432,8 @@ class IdealMemory:
     saved_coef: np.ndarray
     input_coef: np.ndarray
     count: int
+    #: Received whole values (not cut with the batch) x their copies, [I, J].
+    whole: np.ndarray
 
     _stages: dict[tuple[float, float], np.ndarray] = field(
         default_factory=dict, compare=False, repr=False
@@ -426,7 +444,7 @@ class IdealMemory:
         key = (float(self.saved_coef[j]), float(self.input_coef[j]))
         if key not in self._stages:
             self._stages[key] = np.asarray(
-                self.params + key[0] * self.saved + key[1] * self.received
+                self.params + key[0] * self.saved + key[1] * self.received + self.whole
             )
         return self._stages[key]
 
@@ -447,15 +465,18 @@ class OrderMemory:
         input_coef: np.ndarray,
         *,
         copies: int = PARAM_COPIES,
+        whole: float = 2.0,
     ) -> None:
         num = len(events)
         self.prefix_params = params  # copies x prefix sums of the one-unit bytes
         self.copies = copies
+        self.whole = whole
         self.prefix_saved = saved
         self.saved_coef = saved_coef
         self.input_coef = input_coef
         self._events = events
-        self._vectors = np.zeros((3, num + 1))  # spread params, spread saved, received
+        # spread params, spread saved, received, received whole
+        self._vectors = np.zeros((4, num + 1))
         self._t = 0
 
     def reset(self) -> None:
@@ -469,7 +490,8 @@ class OrderMemory:
             raise ValueError(f"advance({t}) after advance({self._t}): sweep t = 1, 2, ...")
         self._t = t
         for kind, before, size in self._events[t - 1]:
-            self._vectors[kind, before + 1 : t] += size * (self.copies if kind == 0 else 1)
+            scale = self.copies if kind == 0 else self.whole if kind == 3 else 1
+            self._vectors[kind, before + 1 : t] += size * scale
 
     def additive(self, j: int) -> np.ndarray:
         """The one-unit part of a segment's memory at position j, as prefix sums: the
@@ -481,13 +503,13 @@ class OrderMemory:
         (default: t - 1)."""
         t = self._t
         end = t if stop is None else stop
-        params, saved, received = self._vectors[:, start:end]
+        params, saved, received, whole = self._vectors[:, start:end]
         p = self.prefix_params[t] - self.prefix_params[start:end] + params
         s = self.prefix_saved[t] - self.prefix_saved[start:end] + saved
-        return np.asarray(p + self.saved_coef[j] * s + self.input_coef[j] * received)
+        return np.asarray(p + self.saved_coef[j] * s + self.input_coef[j] * received + whole)
 
 
-def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering], chunks: int) -> np.ndarray:
+def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering]) -> np.ndarray:
     """``out[I, J]``: bytes stage ``I - J`` receives: values made in J and read in I - J.
 
     With ``c(I)`` the number of v's readers in I (the output reads in the full ideal only),
@@ -498,7 +520,7 @@ def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering], chunks: 
     last[-1] = 1
     grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
     for v in values:
-        grouped[(v.producer, v.readers, v.to_output)] += v.whole_batch_bytes(chunks)
+        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
     receives, sends = [], []
     for (producer, readers, to_output), size in grouped.items():
         if producer == MODEL_INPUT:
@@ -548,8 +570,15 @@ def unit_memory(
             saved_add[h[0]] += size
         else:
             spread.append(Spread(size, False, (h,)))
+
+    def holders_of(name: str) -> set[tuple[int, ...]]:
+        if g.nodes[name]["op"] == "get_attr" and g.nodes[name].get("replicated", False):
+            each: set[tuple[int, ...]] = {(u,) for u in holder(name) if u >= 0}  # each reader
+            return each or {holder(name)}
+        return {holder(name)}
+
     for size, names in model.params:
-        holders = tuple(sorted({holder(n) for n in names if n in g}))
+        holders = tuple(sorted(set().union(*(holders_of(n) for n in names if n in g))))
         if not holders:
             continue
         if len(holders) == 1 and len(holders[0]) == 1 and holders[0][0] >= 0:

@@ -9,10 +9,12 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch import nn
 
 from fxpipe.ir import RECOMPUTE, CostTable
 from fxpipe.passes.ops import (
     COMPUTE_OPS,
+    is_check,
     is_view,
     mutated_input,
     stateful_regions,
@@ -24,6 +26,8 @@ __all__ = [
     "readers",
     "carries_value",
     "replicated_attrs",
+    "replicate_shared_weights",
+    "REPLICATED",
     "batched_nodes",
     "COMPUTE_OPS",
 ]
@@ -35,8 +39,9 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
     - ``op``: the fx opcode; ``index``: position in the fx graph;
     - ``weight``: the node's cost; ``bytes``: its output bytes;
     - ``is_tensor``: whether the output is one tensor; ``param_bytes``;
-    - ``replicated``: a ``get_attr`` of a non-tensor object (:func:`replicated_attrs`),
-      which every stage reading it names itself: it sends 0 bytes;
+    - ``replicated``: a ``get_attr`` every stage reading it names itself (a non-tensor
+      object, or a weight so marked: :func:`replicated_attrs`): it sends 0 bytes;
+    - ``batched``: whether the value is computed from a model input (cut with the batch);
 
     and one edge per (producer, consumer) pair with ``bytes`` and ``is_tensor`` of the value
     (``is_tensor`` is False out of a node recomputed beside its reader, as out of a
@@ -63,9 +68,10 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
             replicated=node.name in shared,
             batched=node.name in batched,
         )
+        check = is_check(node)  # an assertion stays beside what it checks
         for arg in node.all_input_nodes:
             a = costs.nodes[arg.name]
-            glued = bool(arg.meta.get(RECOMPUTE))  # recomputed beside its reader: never sent
+            glued = check or bool(arg.meta.get(RECOMPUTE))  # never sent
             tensor = a.is_tensor and not glued
             sent = 0 if arg.name in shared else a.output_bytes
             g.add_edge(arg.name, node.name, bytes=sent, is_tensor=tensor)
@@ -74,17 +80,42 @@ def to_networkx(gm: fx.GraphModule, costs: CostTable) -> nx.DiGraph:
     return g
 
 
+#: ``node.meta`` key of a ``get_attr`` of a weight that every stage reading it holds itself
+#: (:func:`replicate_shared_weights`).
+REPLICATED = "fxpipe_replicated"
+
+
 def replicated_attrs(gm: fx.GraphModule) -> frozenset[str]:
-    """Names of the ``get_attr`` nodes whose value is not a tensor: a submodule, such as the
-    body GraphModule a higher-order op of ``torch.export`` calls (``wrap_with_autocast``,
-    ``wrap_with_set_grad_enabled``). Such an object is code, not data: every stage that
-    reads one gets its own ``get_attr`` of the same object (shared by reference), so it is
-    never a boundary value and never ties the stages that read it together."""
+    """Names of the ``get_attr`` nodes every stage reading them names itself: those whose
+    value is not a tensor (a submodule, such as the body GraphModule a higher-order op of
+    ``torch.export`` calls: code, not data), and the weights
+    :func:`replicate_shared_weights` marked. Such a value is shared by reference, never a
+    boundary value, and never ties the stages that read it together."""
     return frozenset(
         n.name
         for n in gm.graph.nodes
-        if n.op == "get_attr" and not isinstance(attrgetter(str(n.target))(gm), torch.Tensor)
+        if n.op == "get_attr"
+        and (
+            n.meta.get(REPLICATED, False)
+            or not isinstance(attrgetter(str(n.target))(gm), torch.Tensor)
+        )
     )
+
+
+def replicate_shared_weights(gm: fx.GraphModule) -> tuple[str, ...]:
+    """Mark (in place) every ``get_attr`` of a Parameter that several nodes read, such as a
+    tied embedding and LM head, so that each stage reading it holds the Parameter itself
+    instead of receiving it from the first with every micro-batch. For runtimes whose stages
+    hold their own copies and sum the copies' gradients once per step (one process per
+    stage); returns the targets marked."""
+    marked = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or len(node.users) < 2:
+            continue
+        if isinstance(attrgetter(str(node.target))(gm), nn.Parameter):
+            node.meta[REPLICATED] = True
+            marked.append(str(node.target))
+    return tuple(marked)
 
 
 def readers(g: nx.DiGraph, name: str) -> list[str]:

@@ -19,7 +19,13 @@ import torch.fx as fx
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
-from fxpipe.passes.memory import ESTIMATE, PARAM_COPIES, memory_terms, param_copies
+from fxpipe.passes.memory import (
+    ESTIMATE,
+    PARAM_COPIES,
+    memory_terms,
+    param_copies,
+    whole_coef,
+)
 from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
 from fxpipe.passes.ops import module_path
 from fxpipe.passes.partition import Partition
@@ -49,6 +55,7 @@ def build_plan(
     stage_of = partition.stage_of
     names = [n.name for n in gm.graph.nodes]
     batched = batched_nodes(gm)
+    shared = replicated_attrs(gm)
     edges = _edges(gm, costs, stage_of, relay=partition.traffic == "relay")
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = {a.name for a in output.all_input_nodes}
@@ -63,7 +70,7 @@ def build_plan(
             device=devices[j],
             nodes=nodes,
             cost=_stage_cost(costs, nodes, speed[j]),
-            param_bytes=_param_bytes(gm, nodes),
+            param_bytes=_param_bytes(gm, nodes, shared),
             memory_bytes=0,
             inputs=inputs,
             outputs=outputs,
@@ -128,11 +135,14 @@ def _edges(
     return out
 
 
-def _param_bytes(gm: fx.GraphModule, nodes: tuple[str, ...]) -> int:
+def _param_bytes(gm: fx.GraphModule, nodes: tuple[str, ...], shared: frozenset[str]) -> int:
+    """Bytes of the parameters the stage holds: its nodes', and those of the replicated
+    attributes its nodes read (each reading stage names its own)."""
     seen: set[int] = set()
     total = 0
     by_name = {n.name: n for n in gm.graph.nodes}
-    for name in nodes:
+    read = {a.name for n in nodes for a in by_name[n].all_input_nodes if a.name in shared}
+    for name in [*nodes, *sorted(read - set(nodes))]:
         node = by_name[name]
         if node.op == "call_module":
             tensors = list(gm.get_submodule(str(node.target)).parameters())
@@ -162,14 +172,12 @@ def stage_memory(
     ``training=False``, one inference call: weights once, one micro-batch in flight).
     ``batched``: the names of the values cut with the batch (None: all of them)."""
     saved = sum(costs.nodes[n].saved_bytes for n in stage.nodes)
-
-    def whole_batch(v: str) -> int:  # a value not cut with the batch (a weight sent on)
-        size = costs.nodes[v].output_bytes  # arrives whole with every micro-batch
-        return size if batched is None or v in batched else size * chunks
-
-    inputs = sum(whole_batch(v) for v in stage.inputs)
+    # a value not cut with the batch (a weight sent on) arrives whole, once per step
+    whole = [v for v in stage.inputs if batched is not None and v not in batched]
+    inputs = sum(costs.nodes[v].output_bytes for v in stage.inputs if v not in whole)
+    fixed = whole_coef(training) * sum(costs.nodes[v].output_bytes for v in whole)
     saved_coef, input_coef = memory_terms(chunks, checkpoint, last=last, training=training)
-    activations = saved_coef * saved + input_coef * inputs
+    activations = saved_coef * saved + input_coef * inputs + fixed
     return int(param_copies(training) * stage.param_bytes + activations)
 
 

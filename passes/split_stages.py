@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxpipe.ir import PipelinePlan, StageProgram, Traffic, ValueRef
-from fxpipe.passes.nx_graph import replicated_attrs
+from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
 from fxpipe.passes.placement import place_graph
 
 __all__ = ["split_stages", "run_stages"]
@@ -46,6 +46,8 @@ def split_stages(
         _stage_module(gm, plan, j, inputs[j], outputs[j], copies) for j in range(plan.num_stages)
     )
     leaves = tuple(ValueRef(a.name) if isinstance(a, fx.Node) else a for a in output.args[0])
+    batched = batched_nodes(gm)
+    received = {name for names in inputs for name in names}
     return StageProgram(
         modules=modules,
         inputs=tuple(tuple(x) for x in inputs),
@@ -54,6 +56,7 @@ def split_stages(
         output_leaves=leaves,
         output_spec=output_spec,  # type: ignore[arg-type]
         traffic=traffic,
+        whole=frozenset(received - batched),
     )
 
 

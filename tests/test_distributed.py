@@ -158,6 +158,7 @@ def _train(
     kept = [k for k, p in model.named_parameters() if k not in own and not p.is_meta]
     torch.optim.SGD(pipe.parameters(), lr=0.01).step()
     gm = pipe.plan.graph_module
+    attrs = {n.name for n in gm.graph.nodes if n.op == "get_attr"}
     shared = {
         pipe.plan.stage_of[u.name]
         for n in gm.graph.nodes
@@ -171,6 +172,7 @@ def _train(
         "grads": grads,
         "shard": {k: v.clone() for k, v in pipe.state_dict().items()},
         "replicated": pipe.replicated_keys,
+        "sent_attrs": [e.value for e in pipe.plan.edges if e.value in attrs],
         "not_released": kept,
         "stages_using_shared": shared,
     }
@@ -581,22 +583,28 @@ def test_two_stages_per_rank(tmp_path: Path, schedule: str, stages: list[Any]) -
 
 
 @pytest.mark.slow
-def test_tied_embedding_gradient_returns_through_the_pipeline(tmp_path: Path) -> None:
+def test_a_tied_embedding_is_held_by_each_rank_using_it_and_summed_once(
+    tmp_path: Path,
+) -> None:
+    """The embedding and the LM head share one weight: each of the two ranks holds its own
+    copy (nothing sent with the micro-batches), and sync_tied_gradients sums the copies'
+    gradients once per step into eager's."""
     results = _results(_launch(_train, 2, tmp_path, name="transformer", schedule="1f1b"))
     _check_against_eager("transformer", results)
     holders = [r for r in results if "tok.weight" in r["grads"]]
-    assert len(holders) == 1, "the tied weight must live on one rank only"
-    assert {"tok.weight", "head.weight"} <= set(holders[0]["shard"])
-    assert all(r["replicated"] == () for r in results)
+    assert len(holders) == 2, "each rank reading the tied weight holds it"
+    assert all({"tok.weight", "head.weight"} <= set(r["shard"]) for r in holders)
+    assert all(r["replicated"] == ("tok.weight",) for r in results)
+    assert all(r["sent_attrs"] == [] for r in results)  # no weight crosses a border
 
 
 @pytest.mark.slow
-def test_module_called_in_two_stages_lives_on_one_rank(tmp_path: Path) -> None:
+def test_module_called_in_two_stages_is_held_by_both_ranks(tmp_path: Path) -> None:
     results = _results(_launch(_train, 2, tmp_path, name="shared_module", schedule="gpipe"))
     assert all(r["stages_using_shared"] == {0, 1} for r in results)
-    assert all(r["replicated"] == () for r in results)
+    assert all("shared.fc1.weight" in r["replicated"] for r in results)
     holders = [r for r in results if "shared.fc1.weight" in r["grads"]]
-    assert len(holders) == 1
+    assert len(holders) == 2
     _check_against_eager("shared_module", results)
 
 
@@ -662,6 +670,42 @@ def test_ranks_that_plan_differently_all_refuse(tmp_path: Path) -> None:
     for result in _results(_launch(_disagree, 2, tmp_path, pg_timeout=20)):
         assert "rank(s) [1] computed a different plan" in result["error"]
         assert result["untouched"]
+
+
+def test_one_process_per_stage_plans_a_tied_weight_held_by_each_stage_not_sent() -> None:
+    """What pipeline_schedule plans (replicate_weights): the tied weight is in both stages'
+    parameters and memory and on no border; the single-process plan sends it whole once
+    per batch, and its summary counts it so."""
+    from fxpipe.api import compile_model
+    from fxpipe.options import PlanOptions
+
+    args, kwargs = ZOO["transformer"].example(BATCH)
+    weight = 64 * 32 * 4  # TinyGPT's vocab x width, float32
+    plans = {}
+    for replicate in (False, True):
+        options = PlanOptions(cost="flops", chunks=N_MB, traffic="relay",
+                              replicate_weights=replicate)  # fmt: skip
+        plans[replicate] = compile_model(
+            _tiny_gpt(), args, ["cpu", "cpu"], options, example_kwargs=kwargs, present=False
+        ).plan
+    sent, held = plans[False], plans[True]
+    (edge,) = [e for e in sent.edges if e.value == "tok_weight"]
+    assert edge.bytes == weight and edge.consumers == (1,)
+    assert "tok_weight" not in {e.value for e in held.edges}
+    assert all(s.param_bytes >= weight for s in held.stages)
+    assert "replicated:  tok.weight (stages 0, 1)" in str(held)
+    assert "replicated:" not in str(sent)
+    (line,) = [line for line in str(sent).splitlines() if line.startswith("boundaries:")]
+    activations = sum(e.bytes for e in sent.edges if e.value != "tok_weight")
+    assert f"{fxpipe_bytes(weight + activations)} per batch" in line
+    assert f"({fxpipe_bytes(activations / N_MB)} per micro-batch, " in line
+    assert f"{fxpipe_bytes(weight)} of it once per batch" in line
+
+
+def fxpipe_bytes(size: float) -> str:
+    from fxpipe.views.report import format_bytes
+
+    return format_bytes(size)
 
 
 def test_without_a_process_group_names_the_remedy() -> None:

@@ -500,3 +500,52 @@ def test_public_methods_and_properties_have_docstrings(owner: type) -> None:
     undocumented = [name for name, member in public.items() if not (member.__doc__ or "").strip()]
     assert undocumented == []
     assert (fxpipe.record.__doc__ or "").count("\n") > 5
+
+
+class _TiedHead(nn.Module):
+    """A tied embedding and LM head, the head two stages later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(512, 32)
+        self.layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+        self.head = nn.Linear(32, 512, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.layers(self.embed(ids))))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_tied_weight_is_moved_once_per_call_and_its_gradient_is_eagers(
+    checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weight the head's stage receives is the same for every micro-batch: it is fetched
+    (moved to the stage's device) once per call, not once per micro-batch, and its one
+    gradient, summed over the micro-batches, equals eager's."""
+    from fxpipe.runtime.executor import Executor
+
+    torch.manual_seed(0)
+    model, ids = _TiedHead(), torch.randint(0, 512, (8, 6))
+    eager = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 3, chunks=4, checkpoint=checkpoint)
+    assert any(e.value == "embed_weight" for e in pipe.plan.edges), "the weight is sent on"
+    moves: list[tuple[int, int]] = []
+    move = Executor._move
+
+    def counted(self: Executor, value: Any, cell: Any, device: torch.device) -> Any:
+        if isinstance(value, torch.Tensor) and value.shape == (512, 32):
+            moves.append(cell)
+        return move(self, value, cell, device)
+
+    monkeypatch.setattr(Executor, "_move", counted)
+    out = pipe(ids)
+    assert len(moves) == len({cell[1] for cell in moves}) >= 1, moves  # once per stage
+    assert all(i == 0 for i, _ in moves)
+    want = eager(ids)
+    torch.testing.assert_close(out, want)
+    out.square().mean().backward()
+    want.square().mean().backward()
+    torch.testing.assert_close(model.embed.weight.grad, eager.embed.weight.grad)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

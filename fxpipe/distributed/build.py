@@ -109,6 +109,7 @@ def pipeline_schedule(
         chunks=n_microbatches,
         slack=slack,
         traffic="relay",
+        replicate_weights=True,  # each rank its copy; sync_tied_gradients sums them
     )
     world = dist.get_world_size(group)
     total = _stage_count(world, stages_per_rank, num_stages, mesh=mesh is not None)

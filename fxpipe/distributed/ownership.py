@@ -1,10 +1,10 @@
 """Which of the model's tensors a rank keeps, under which keys; releasing the others.
 
-A tensor belongs to every rank whose stage modules hold it. A parameter read by ``get_attr``
-in one stage and relayed to later ones (a tied weight, a module called at several depths)
-belongs to that stage's rank only; a tensor held by stage modules of two ranks belongs to
-both (its gradients are then summed by ``sync_tied_gradients``). Tensors no stage reads stay
-with stage 0's rank, so that the shards together hold the whole state dict.
+A tensor belongs to every rank whose stage modules hold it. A weight several stages read
+(a tied embedding and head, a module called at several depths) is named by each of them, so
+it belongs to each of their ranks (its gradients are then summed by
+``sync_tied_gradients``). Tensors no stage reads stay with stage 0's rank, so that the
+shards together hold the whole state dict.
 """
 
 from __future__ import annotations

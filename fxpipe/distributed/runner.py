@@ -217,11 +217,11 @@ class DistributedPipeline:
         """Sum the gradients of Parameters held on several ranks; a collective on every rank.
 
         Call it after ``schedule.step`` and before the optimizer step. A tied parameter
-        (embedding = LM head) or a module called at several depths is read in one stage and
-        relayed to later ones as a boundary value, so its whole gradient already returns
-        into its one Parameter through the pipeline's backward. Copies on several ranks only
-        arise when stage modules of different ranks hold the same tensor; without copies
-        this does nothing (and communicates nothing).
+        (embedding = LM head) or a module called at several depths is held by every rank
+        whose stages read it (the plan never sends it with the micro-batches); each copy
+        gets the gradient of its own uses, and this sums them, once per step, so that every
+        copy has the whole gradient and every rank's optimizer makes the same update.
+        Without such a parameter this does nothing (and communicates nothing).
         """
         if not self._own.replicated:
             return

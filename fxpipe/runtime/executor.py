@@ -50,6 +50,7 @@ class _Run:
     envs: list[Env]
     #: ``copies[i]``: (value name, device) -> the value copied onto that device.
     copies: list[dict[tuple[str, torch.device], Any]]
+
     #: ``stops[j]``: micro-batches ``i < stops[j]`` of stage ``j`` are checkpointed.
     stops: list[int]
     grad: bool
@@ -58,6 +59,9 @@ class _Run:
     batches: Sequence[tuple[Any, ...]] = ()
     #: Stage arguments prepared by the fence, waiting for the compute phase.
     args: dict[Cell, list[Any]] = field(default_factory=dict)
+    #: (value name, device) -> a whole value (``program.whole``) on that device, copied
+    #: once for the run from the first micro-batch that made it.
+    whole: dict[tuple[str, torch.device], Any] = field(default_factory=dict)
 
 
 def _float_leaf(x: Any) -> bool:
@@ -226,9 +230,10 @@ class Executor:
                     run.copies[i].pop((name, device), None)
 
     def _fetch(self, run: _Run, cell: Cell, name: str, device: torch.device) -> Any:
-        """The value ``name`` of micro-batch ``i`` on ``device``, copied once per device."""
-        cache = run.copies[cell[0]]
+        """The value ``name`` of micro-batch ``i`` on ``device``, copied once per device; a
+        whole value (the same for every micro-batch) once per run."""
         key = (name, device)
+        cache = run.whole if name in self.program.whole else run.copies[cell[0]]
         if key not in cache:
             cache[key] = self._move(run.envs[cell[0]][name], cell, device)
         return cache[key]

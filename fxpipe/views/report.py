@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
+import torch
+
 from fxpipe.errors import ConfigError
+from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
 from fxpipe.passes.ops import module_path
 from fxpipe.passes.plan import stage_span
 
@@ -188,8 +192,12 @@ def _footer(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
     worst = max(plan.stages, key=lambda s: s.cost)
     ratio = plan.bottleneck / max(plan.lower_bound, 1e-30)
     bubble, speedup = plan.gpipe_prediction(plan.chunks)
-    sent = sum(e.bytes * len(e.consumers) for e in plan.edges)
-    per_micro = sent / max(plan.chunks, 1)
+    batched = batched_nodes(plan.graph_module)  # the rest (a weight) goes whole, once
+    cut = sum(e.bytes * len(e.consumers) for e in plan.edges if e.value in batched)
+    whole = sum(e.bytes * len(e.consumers) for e in plan.edges if e.value not in batched)
+    per_micro = cut / max(plan.chunks, 1)
+    sent = cut + whole
+    once = f", {format_bytes(whole)} of it once per batch (whole values)" if whole else ""
     search = plan.info.get("method", "?")
     seconds = plan.info.get("seconds")
     took = f" in {float(seconds):.2f} s" if isinstance(seconds, (int, float)) else ""
@@ -208,9 +216,30 @@ def _footer(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
         f"pipeline:    chunks={plan.chunks}: predicted bubble {100 * bubble:.1f}%, "
         f"speedup {speedup:.2f}x over one device (GPipe, transfers not counted)",
         f"boundaries:  {len(plan.edges)} values, {format_bytes(sent)} per batch "
-        f"({format_bytes(per_micro)} per micro-batch); in and out are per batch",
+        f"({format_bytes(per_micro)} per micro-batch{once}); in and out are per batch",
+        *_replicated_note(plan),
         *_memory_notes(plan, capacity),
         f"search:      {search}{took}",
+    ]
+
+
+def _replicated_note(plan: PipelinePlan) -> list[str]:
+    """Weights each reading stage holds itself (one process per stage): none crosses a
+    border; their gradients are summed once per step."""
+    nodes = {n.name: n for n in plan.graph_module.graph.nodes}
+    held = []
+    for name in sorted(replicated_attrs(plan.graph_module)):
+        node = nodes[name]
+        if not isinstance(attrgetter(str(node.target))(plan.graph_module), torch.Tensor):
+            continue
+        stages = sorted({plan.stage_of[u.name] for u in node.users if u.op != "output"})
+        if len(stages) > 1:
+            held.append(f"{node.target} (stages {', '.join(map(str, stages))})")
+    if not held:
+        return []
+    return [
+        f"replicated:  {'; '.join(held)}: held by each stage that reads it, never sent; "
+        "its gradients are summed once per step (sync_tied_gradients)"
     ]
 
 

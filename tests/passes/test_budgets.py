@@ -745,10 +745,10 @@ class TiedLM(nn.Module):
 
 
 @pytest.mark.parametrize("training", [True, False])
-def test_a_weight_sent_to_a_later_stage_counts_once_per_micro_batch_held(training: bool) -> None:
-    """The tied weight reaches the head's stage whole with every micro-batch: in training
-    (checkpoint='except_last': the inputs of chunks - 1 micro-batches kept) that stage holds
-    a copy per kept micro-batch, so 8 chunks hold 4 copies more than 4; in inference, one."""
+def test_a_weight_sent_to_a_later_stage_is_held_once_whatever_the_chunks(training: bool) -> None:
+    """The tied weight reaches the head's stage once per step, whole (the runtime copies it
+    once per call): that stage holds the weight and, in training, its gradient, however
+    many micro-batches run; the rest of its memory is activations, small here."""
     torch.manual_seed(0)
     model, ids = TiedLM().train(training), torch.randint(0, 4096, (8, 1))
     weight = 4096 * 64 * 4
@@ -759,15 +759,11 @@ def test_a_weight_sent_to_a_later_stage_counts_once_per_micro_batch_held(trainin
         (stage,) = [plan.stages[j] for j in edge.consumers]
         return stage
 
-    four, eight = head_stage(4), head_stage(8)
-    assert four.nodes == eight.nodes
-    grown = eight.memory_bytes - four.memory_bytes
-    if training:
-        assert grown == pytest.approx(4 * weight, rel=0.02)
-        assert four.memory_bytes > 3 * weight + 4 * four.param_bytes
-    else:
-        assert abs(grown) < 0.02 * weight
-        assert four.memory_bytes >= weight + four.param_bytes
+    for chunks in (2, 4, 8):
+        stage = head_stage(chunks)
+        activations = stage.memory_bytes - (4 if training else 1) * stage.param_bytes
+        held = (2 if training else 1) * weight
+        assert held <= activations < held + 0.2 * weight, (chunks, activations)
 
 
 def test_training_a_pipeline_planned_for_inference_warns_once_when_it_would_not_fit() -> None:
