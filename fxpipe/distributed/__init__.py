@@ -16,7 +16,7 @@ neighbouring stages), and releases every other stage's parameters and buffers to
         pipe.schedule.step(target=y, losses=losses)
     else:
         pipe.schedule.step()
-    pipe.sync_tied_gradients()      # a no-op unless a module runs in stages of two ranks
+    pipe.sync_tied_gradients()      # sums a shared weight's copies (a no-op without one)
     optimizer.step()                # optimizer over pipe.parameters()
 
 Modules:
@@ -29,10 +29,21 @@ Modules:
   them; :func:`merge_state_dicts`.
 - ``mesh``: pipeline x data parallel: the ``"pp"`` and ``"dp"`` groups of a 2-D
   ``DeviceMesh``, and each stage wrapped in DDP over ``"dp"``.
+- ``layout``: :func:`suggest_layout`: the (pp, dp, virtual stages, micro-batches, schedule)
+  layouts of a model over ``world_size`` ranks, ranked by predicted step time and memory
+  per rank (:class:`LayoutEstimate` rows; ``format_layouts`` prints them).
 """
 
 from fxpipe.distributed.build import SCHEDULES, pipeline_schedule
+from fxpipe.distributed.layout import LayoutEstimate, suggest_layout
 from fxpipe.distributed.ownership import merge_state_dicts
 from fxpipe.distributed.runner import DistributedPipeline
 
-__all__ = ["pipeline_schedule", "DistributedPipeline", "merge_state_dicts", "SCHEDULES"]
+__all__ = [
+    "pipeline_schedule",
+    "DistributedPipeline",
+    "merge_state_dicts",
+    "SCHEDULES",
+    "suggest_layout",
+    "LayoutEstimate",
+]

@@ -1,0 +1,582 @@
+"""Ranks pipeline x data-parallel layouts of a model by predicted step time and memory.
+
+A layout is ``pp`` pipeline ranks x ``dp`` replicas (``pp * dp == world_size``), ``v``
+stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement), ``m``
+micro-batches per replica and a schedule. ``example_input`` is the global batch: each
+replica gets ``batch / dp`` rows in ``m`` equal micro-batches (``dp`` must divide the
+batch, ``m`` the replica's rows). The model is traced and priced once, for the whole batch;
+each stage count ``pp * v`` is split once by fxpipe's own search, with relayed boundary
+values, as ``fd.pipeline_schedule`` plans it (pass it the same ``slack``).
+
+Step time. A stage's cost (FLOP / ``device_flops``, or roofline or profiled seconds) is for
+the whole batch, so one micro-batch takes ``t_j = cost_j / (dp m)`` (the roofline's
+per-kernel and per-weight cost, found by pricing at one and two micro-batches, is added
+once per micro-batch). ``T_r`` sums rank r's stages; ``C_r`` moves the values entering
+them (activations forward, gradients back, relayed ones included) over ``link_bandwidth``;
+``G_r`` is the bytes of its gradients::
+
+    compute   = m * max_r T_r                              busy time of the busiest rank
+    bubble    = (sum_r T_r - max_r T_r) / v                fill and drain
+    pipeline  = m * max_r U_r + (sum_r U_r - max_r U_r) / v,   U_r = T_r + C_r
+    p2p       = pipeline - compute - bubble                sends the critical path waits for
+    allreduce = 2 (dp - 1) / dp * max_r G_r / dp_bandwidth ring all-reduce, not overlapped
+    step      = pipeline + allreduce
+
+With equal ranks, ``bubble / compute`` is Narayanan et al.'s bubble time fraction (SC'21,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2):
+``(p - 1) / m`` for GPipe and 1F1B ("the time spent in the bubble is the same"), and
+``(1 / v) (p - 1) / m`` for the interleaved schedule, whose stage passes take ``t / v``;
+unequal ranks run at the busiest one's pace and pay the others' once, in the fill. Sends
+are not overlapped with compute, so v stages per rank send v times as much (the paper:
+"the amount of communication also increases by v"). Looped schedules need ``m >= pp``
+(the paper asks for a multiple of ``pp``; torch's interleaved 1F1B, a multiple of its
+rounds, ``max(1, m // pp)``). Looped BFS (Lamy-Poirier, MLSys 2023, "Breadth-First Pipeline
+Parallelism") loops the stages over the ranks as interleaving does and gets the same fill
+here; what it gains, reducing gradients (and FSDP's gathers) while later stages compute, is
+not modelled.
+
+Memory per rank, in training: :func:`fxpipe.passes.plan.stage_memory` of each of its
+stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
+stage keeps for backward), its activations scaled to the micro-batches in flight at the
+rank's peak, plus one more copy of the gradients when ``dp > 1`` (DDP's buckets: torch's
+``gradient_as_bucket_view=False`` default). In flight: all ``m`` for GPipe; ``min(m, pp - r)``
+for 1F1B ("activations to be stashed for p or fewer microbatches", ibid.); for interleaved
+1F1B torch's warm-up count plus one, ``(v - 1) * (m // rounds) + 2 (pp - 1 - r) + 1`` stage
+passes (at most ``m v``), spread evenly over the rank's stages and rounded up to whole
+micro-batches; for looped BFS, which runs every forward of a stage before the next, all
+``m`` of every stage. ``fd.pipeline_schedule`` checkpoints nothing: ``checkpoint="never"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import nn
+
+from fxpipe.budgets import parse_amount
+from fxpipe.devices import parse_device
+from fxpipe.errors import ConfigError, PlanError
+from fxpipe.ir import (
+    CHECKPOINT_MODES,
+    TRACERS,
+    CheckpointMode,
+    CostTable,
+    PipelinePlan,
+    PricingMode,
+)
+from fxpipe.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
+from fxpipe.model_state import preserved
+from fxpipe.options import check_choice, check_slack
+from fxpipe.passes.cost_model import estimate_costs
+from fxpipe.passes.memory import param_copies
+from fxpipe.passes.nx_graph import replicate_shared_weights, to_networkx
+from fxpipe.passes.partition import partition_graph
+from fxpipe.passes.plan import build_plan, stage_memory
+from fxpipe.trace.example_checks import check_outputs_follow_batch, example_args, example_batch
+from fxpipe.trace.tracing import Traced, fake_runnable, trace
+
+__all__ = [
+    "LayoutEstimate",
+    "suggest_layout",
+    "format_layouts",
+    "LAYOUT_SCHEDULES",
+    "A100_BF16_FLOPS",
+    "DEFAULT_MFU",
+    "DEFAULT_DEVICE_FLOPS",
+    "DEFAULT_LINK_BANDWIDTH",
+    "DEFAULT_DP_BANDWIDTH",
+]
+
+#: Schedules ranked, spelled as ``fd.pipeline_schedule`` takes them (lower case).
+LAYOUT_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
+_LOOPED = frozenset({"interleaved1f1b", "loopedbfs"})
+#: Peak dense 16-bit FLOP/s of an A100 (Narayanan et al. 2021, §5: 312 teraFLOP/s).
+A100_BF16_FLOPS = 312e12
+#: Fraction of peak reached; Megatron-LM's Table 1 reports 44-52% (46% for its 7.5B GPT).
+DEFAULT_MFU = 0.5
+#: FLOP/s that turn ``cost="flops"`` into seconds.
+DEFAULT_DEVICE_FLOPS = A100_BF16_FLOPS * DEFAULT_MFU
+#: Bytes/s of one 200 Gb/s HDR InfiniBand card, one per GPU in the paper's DGX A100 nodes.
+DEFAULT_LINK_BANDWIDTH = 25e9
+DEFAULT_DP_BANDWIDTH = 25e9
+#: The cost modes ranked (their pricing mode): prices that are times, or FLOP.
+_PRICING: dict[str, PricingMode] = {
+    "auto": "roofline",
+    "flops": "flops",
+    "roofline": "roofline",
+    "time": "time",
+}
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """One layout and what fxpipe's cost model predicts for one training step of it."""
+
+    #: Pipeline ranks, data-parallel replicas (``pp * dp`` is the world size).
+    pp: int
+    dp: int
+    #: Stages per pipeline rank (1 for GPipe and 1F1B).
+    virtual: int
+    #: Micro-batches per replica per step, and the rows in each.
+    chunks: int
+    micro_batch: int
+    schedule: str
+    #: Predicted seconds per step: ``compute_s + bubble_s + p2p_s + allreduce_s``.
+    step_s: float
+    #: Busy time of the busiest rank: ``chunks * max(rank_s)``.
+    compute_s: float
+    #: Fill and drain: ``(sum(rank_s) - max(rank_s)) / virtual``.
+    bubble_s: float
+    #: ``bubble_s / compute_s``: Megatron-LM's bubble time fraction, (pp - 1) / (v m) at most.
+    bubble: float
+    #: Point-to-point sends the critical path waits for.
+    p2p_s: float
+    #: Ring all-reduce of the busiest rank's gradients over the replicas.
+    allreduce_s: float
+    #: Estimated peak bytes of the rank that needs most.
+    memory_bytes: int
+    #: ``memory_bytes <= max_memory`` (True when no ``max_memory`` was given).
+    fits: bool
+    #: Forward + backward seconds of one micro-batch on each pipeline rank (its stages summed).
+    rank_s: tuple[float, ...]
+
+    @property
+    def stages(self) -> int:
+        """Stages of the pipeline: ``pp * virtual``."""
+        return self.pp * self.virtual
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """The model traced and priced once, for the whole global batch."""
+
+    traced: Traced
+    costs: CostTable
+    graph: nx.DiGraph
+    batch: int
+    #: Seconds per unit of cost (1 / device_flops for FLOP, 1 for seconds).
+    seconds: float
+    #: Node name -> cost paid once per micro-batch whatever its size (roofline only).
+    fixed: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class _Split:
+    """One stage count: the plan, and what each stage costs, holds and receives."""
+
+    plan: PipelinePlan
+    #: Per stage: cost proportional to the rows, and cost per micro-batch, in seconds.
+    scaled_s: tuple[float, ...]
+    fixed_s: tuple[float, ...]
+    #: Per stage: bytes entering it (relayed values, gradients back included), whole batch.
+    received: tuple[int, ...]
+
+
+def suggest_layout(
+    model: nn.Module,
+    example_input: Any,
+    world_size: int,
+    *,
+    max_memory: int | str | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    cost: str = "flops",
+    tracer: str = "auto",
+    schedules: Sequence[str] = ("1f1b", "interleaved1f1b"),
+    virtual: Sequence[int] = (2, 4),
+    chunks: int | Sequence[int] | None = None,
+    checkpoint: CheckpointMode = "never",
+    slack: float = 0.0,
+    device_flops: float = DEFAULT_DEVICE_FLOPS,
+    link_bandwidth: float = DEFAULT_LINK_BANDWIDTH,
+    dp_bandwidth: float = DEFAULT_DP_BANDWIDTH,
+    device: str | torch.device = "cuda",
+) -> list[LayoutEstimate]:
+    """Rank the (pp, dp, virtual, chunks, schedule) layouts of ``model`` over ``world_size``
+    ranks by the step time fxpipe predicts and by memory per rank (the formulas are in this
+    module's docstring). Compile only: nothing runs on a device; a model on ``meta`` works.
+
+    Args:
+        model, example_input, example_kwargs, tracer: as for :func:`fxpipe.plan`, but
+            ``example_input`` is the global batch (dim 0), which the replicas share.
+        world_size: ranks in all, ``pp * dp``.
+        max_memory: the memory of every rank, one amount (bytes, or a string such as
+            ``"80GiB"``); None: not checked, every layout fits.
+        cost: ``"flops"`` (analytic FLOP over ``device_flops``), ``"roofline"`` or
+            ``"auto"`` (seconds on a reference device of ``device``'s kind) or ``"time"``
+            (profiled on ``device``, which must be here; not for a model on ``meta``).
+        schedules: names from :data:`LAYOUT_SCHEDULES`; the looped ones (interleaved 1F1B,
+            looped BFS) are tried with each of ``virtual`` stages per rank, 2 or more.
+        chunks: micro-batch counts per replica to try (default: every count that divides a
+            replica's rows); counts that do not divide them are left out.
+        checkpoint: which micro-batches keep only their stage inputs (memory only; the
+            default, ``"never"``, is what ``fd.pipeline_schedule`` runs).
+        slack: as for :func:`fxpipe.plan` (pass the same to ``fd.pipeline_schedule``): the
+            bottleneck may grow by this fraction where that sends fewer bytes.
+        device_flops: FLOP/s of one rank for ``cost="flops"`` (default: an A100's 312
+            TFLOP/s at :data:`DEFAULT_MFU`).
+        link_bandwidth, dp_bandwidth: bytes/s between pipeline neighbours, and per rank in
+            the data-parallel ring (default: one 200 Gb/s InfiniBand card each).
+        device: the kind of device the ranks are (``"cuda"``, ``"cpu"``), for
+            ``"roofline"`` and ``"time"``.
+
+    Returns:
+        One :class:`LayoutEstimate` per layout: those that fit ``max_memory`` by step time,
+        then the others by memory (none fitting is not an error: the list says what each
+        needs). Layouts whose replicas cannot share the batch, or whose stage count the
+        graph cannot be cut into, are left out.
+
+    Raises:
+        ConfigError: for a bad option, or when no layout at all is left, naming the value
+            and the remedy (``DeviceError`` for a ``device`` that is malformed or, with
+            ``cost="time"``, absent).
+    """
+    _check_world(world_size)
+    names = _schedules(schedules)
+    loops = _counts("virtual", virtual, least=2)
+    wanted = None if chunks is None else _counts("chunks", chunks, least=1)
+    check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
+    check_choice("tracer", tracer, TRACERS)
+    check_choice("cost", cost, tuple(_PRICING))
+    check_slack(slack)
+    for name, value in (
+        ("device_flops", device_flops),
+        ("link_bandwidth", link_bandwidth),
+        ("dp_bandwidth", dp_bandwidth),
+    ):
+        _check_rate(name, value)
+    budget = None if max_memory is None else _budget(max_memory)
+    target = parse_device(device, require_present=cost == "time")
+    mode = _PRICING[cost]
+    priced = _price(model, example_input, example_kwargs, mode, tracer, target, device_flops)
+    rates = (float(link_bandwidth), float(dp_bandwidth))
+    splits: dict[int, _Split | None] = {}
+    out = []
+    for pp, dp, v, m, schedule in _candidates(world_size, priced.batch, names, loops, wanted):
+        k = pp * v
+        if k not in splits:
+            splits[k] = _split(priced, k, checkpoint, slack)
+        found = splits[k]
+        if found is not None:
+            out.append(_estimate(found, priced, (pp, dp, v, m), schedule, checkpoint, rates))
+    if not out:
+        raise ConfigError(_none_found(world_size, priced.batch, splits, chunks))
+    return _ranked(out, budget)
+
+
+def format_layouts(layouts: Iterable[LayoutEstimate], limit: int | None = None) -> str:
+    """A table a person reads: one row per layout, in the order given (``limit``: the first
+    ``limit`` rows only)."""
+    rows = list(layouts)[:limit]
+    head = ("pp", "dp", "v", "m", "rows", "schedule", "step", "compute", "bubble", "p2p",
+            "allreduce", "memory/rank", "fits")  # fmt: skip
+    body = [
+        (str(e.pp), str(e.dp), str(e.virtual), str(e.chunks), str(e.micro_batch), e.schedule,
+         _seconds(e.step_s), _seconds(e.compute_s), f"{e.bubble:.1%}", _seconds(e.p2p_s),
+         _seconds(e.allreduce_s), _bytes(e.memory_bytes), "yes" if e.fits else "no")
+        for e in rows
+    ]  # fmt: skip
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [head, *body]]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def _seconds(x: float) -> str:
+    if x == 0.0:
+        return "0"
+    if x >= 1.0:
+        return f"{x:.2f} s"
+    return f"{x * 1e3:.2f} ms" if x >= 1e-3 else f"{x * 1e6:.1f} us"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------------- options
+
+
+def _check_world(world_size: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(
+            f"world_size={world_size!r} must be a whole number >= 1: the ranks in all, "
+            "pipeline ranks x data-parallel replicas"
+        )
+
+
+def _items(value: Any) -> list[Any]:
+    """A sequence option as a list; one value (a string, a number) as a list of it."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        return [value]
+    return list(value)
+
+
+def _schedules(schedules: Any) -> tuple[str, ...]:
+    items = _items(schedules)
+    names = tuple(str(s).lower() for s in items)
+    bad = [s for s, n in zip(items, names, strict=True) if n not in LAYOUT_SCHEDULES]
+    if bad or not names:
+        raise ConfigError(
+            f"schedules={schedules!r} must name one or more of {LAYOUT_SCHEDULES}"
+            + (f" ({bad[0]!r} is not one)" if bad else "")
+            + "; the zero-bubble schedules split backward in two and are not ranked"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _counts(name: str, value: Any, *, least: int) -> tuple[int, ...]:
+    items = _items(value)
+    bad = [c for c in items if isinstance(c, bool) or not isinstance(c, int) or c < least]
+    if bad or not items:
+        raise ConfigError(
+            f"{name}={value!r} must be a whole number >= {least}, or a sequence of them"
+        )
+    return tuple(sorted(set(items)))
+
+
+def _check_rate(name: str, value: Any) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"{name}={value!r} must be a positive number per second (FLOP/s for "
+            "device_flops, bytes/s for the bandwidths: 25e9 is one 200 Gb/s InfiniBand card)"
+        )
+
+
+def _budget(max_memory: Any) -> int:
+    if isinstance(max_memory, Mapping) or isinstance(max_memory, list | tuple):
+        raise ConfigError(
+            f"max_memory={max_memory!r} gives several amounts, but every rank of a layout "
+            "has the same budget; pass one amount, e.g. '80GiB'"
+        )
+    return parse_amount(max_memory, "max_memory")
+
+
+# ---------------------------------------------------------------------------- pricing
+
+
+def _price(
+    model: nn.Module,
+    example_input: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    mode: PricingMode,
+    tracer: Any,
+    device: torch.device,
+    device_flops: float,
+) -> _Priced:
+    """Trace and price once (a model on ``meta`` on a meta copy of the example, as
+    :func:`fxpipe.api.compile_model` does)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
+    if holds_meta(model):
+        check_meta_pricing(model, mode)
+        example_input, example_kwargs = on_meta((example_input, example_kwargs))
+        if not all_meta(model):
+            with meta_view(model):
+                return _price(model, example_input, example_kwargs, mode, tracer, device,
+                              device_flops)  # fmt: skip
+    args = example_args(example_input)
+    batch = example_batch(inspect.signature(model.forward), args, example_kwargs or {})
+    traced = trace(model, args, example_kwargs, tracer=tracer)
+    replicate_shared_weights(traced.graph_module)  # as pipeline_schedule plans them
+    with preserved(model), fake_runnable(model):
+        check_outputs_follow_batch(traced, batch)
+        costs = _costs(traced, mode, device, 1)
+        fixed: dict[str, float] = {}
+        if mode == "roofline":  # a second pricing tells the per-micro-batch part apart
+            twice = _costs(traced, mode, device, 2)
+            fixed = {n: max(twice.nodes[n].cost - c.cost, 0.0) for n, c in costs.nodes.items()}
+    seconds = 1.0 / device_flops if mode == "flops" else 1.0
+    graph = to_networkx(traced.graph_module, costs)
+    return _Priced(traced, costs, graph, batch, seconds, fixed)
+
+
+def _costs(
+    traced: Traced, mode: PricingMode, device: torch.device, micro_batches: int
+) -> CostTable:
+    return estimate_costs(
+        traced.graph_module,
+        traced.example_values,
+        mode=mode,
+        device=device if mode in ("time", "roofline") else None,
+        micro_batches=micro_batches,
+    )
+
+
+def _split(priced: _Priced, k: int, checkpoint: str, slack: float) -> _Split | None:
+    """The plan of ``k`` stages (None when the graph cannot be cut into that many)."""
+    try:
+        part = partition_graph(priced.graph, k, slack=slack, traffic="relay")
+    except PlanError:
+        return None
+    gm, costs = priced.traced.graph_module, priced.costs
+    plan = build_plan(gm, costs, priced.graph, part, [torch.device("meta")] * k, chunks=1,
+                      checkpoint=checkpoint)  # fmt: skip
+    fixed = [sum(priced.fixed.get(n, 0.0) for n in s.nodes) * priced.seconds for s in plan.stages]
+    scaled = [s.cost * priced.seconds - f for s, f in zip(plan.stages, fixed, strict=True)]
+    received = [0] * k
+    for e in plan.edges:
+        size = e.bytes * (2 if costs.nodes[e.value].requires_grad else 1)
+        for j in range(e.producer + 1, max(e.consumers) + 1):
+            received[j] += size
+    return _Split(plan, tuple(scaled), tuple(fixed), tuple(received))
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def _candidates(
+    world: int,
+    batch: int,
+    schedules: tuple[str, ...],
+    loops: tuple[int, ...],
+    wanted: tuple[int, ...] | None,
+) -> Iterable[tuple[int, int, int, int, str]]:
+    """(pp, dp, v, m, schedule) for every layout the batch and the schedules allow."""
+    for pp in _divisors(world):
+        dp = world // pp
+        if batch % dp:
+            continue
+        replica = batch // dp
+        counts = [m for m in (wanted or _divisors(replica)) if replica % m == 0]
+        for schedule in schedules:
+            looped = schedule in _LOOPED
+            if looped and pp == 1:
+                continue
+            for v in loops if looped else (1,):
+                for m in counts:
+                    uneven = schedule == "interleaved1f1b" and m % _rounds(m, pp) != 0
+                    if looped and (m < pp or uneven):
+                        continue  # the loop would stall; torch refuses uneven rounds
+                    yield pp, dp, v, m, schedule
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _rounds(m: int, pp: int) -> int:
+    """torch's interleaved 1F1B rounds: ``max(1, m // pp)``; ``m`` must be a multiple."""
+    return max(1, m // pp)
+
+
+def _estimate(
+    split: _Split,
+    priced: _Priced,
+    shape: tuple[int, int, int, int],
+    schedule: str,
+    checkpoint: str,
+    rates: tuple[float, float],
+) -> LayoutEstimate:
+    pp, dp, v, m = shape
+    ranks = [range(r, pp * v, pp) for r in range(pp)]
+    share = 1.0 / (dp * m)  # of the global batch, per micro-batch
+    t = [s * share + f for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]
+    sends = [0.0] + [b * share / rates[0] if pp > 1 else 0.0 for b in split.received[1:]]
+    busy = [sum(t[j] for j in js) for js in ranks]
+    with_sends = [b + sum(sends[j] for j in js) for b, js in zip(busy, ranks, strict=True)]
+    compute = m * max(busy)
+    bubble = (sum(busy) - max(busy)) / v
+    pipeline = m * max(with_sends) + (sum(with_sends) - max(with_sends)) / v
+    grads = max(sum(split.plan.stages[j].param_bytes for j in js) for js in ranks)
+    allreduce = 2 * (dp - 1) / dp * grads / rates[1]
+    memory = max(_rank_memory(split, priced, js, r, shape, schedule, checkpoint)
+                 for r, js in enumerate(ranks))  # fmt: skip
+    return LayoutEstimate(
+        pp=pp,
+        dp=dp,
+        virtual=v,
+        chunks=m,
+        micro_batch=priced.batch // (dp * m),
+        schedule=schedule,
+        step_s=pipeline + allreduce,
+        compute_s=compute,
+        bubble_s=bubble,
+        bubble=bubble / compute if compute > 0 else 0.0,
+        p2p_s=pipeline - compute - bubble,
+        allreduce_s=allreduce,
+        memory_bytes=memory,
+        fits=True,
+        rank_s=tuple(busy),
+    )
+
+
+def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> int:
+    """Stage passes (one micro-batch through one stage) whose activations rank ``r`` holds
+    at its peak; torch's schedules (interleaved: its warm-up count, plus the one running)."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - r)
+    if schedule == "loopedbfs":
+        return m * v
+    per_round = m // _rounds(m, pp)
+    return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - r) + 1)
+
+
+def _rank_memory(
+    split: _Split,
+    priced: _Priced,
+    stages: range,
+    r: int,
+    shape: tuple[int, int, int, int],
+    schedule: str,
+    checkpoint: str,
+) -> int:
+    """Peak bytes of rank ``r``: each stage's training estimate with ``f`` micro-batches in
+    flight (``stage_memory`` prices ``f`` pieces of the whole batch; the activations are
+    scaled to ``f`` micro-batches of ``batch / (dp m)`` rows), plus DDP's gradient buckets."""
+    pp, dp, v, m = shape
+    f = max(1, math.ceil(_in_flight(schedule, pp, v, m, r) / v))
+    k = split.plan.num_stages
+    total = 0.0
+    for j in stages:
+        stage = split.plan.stages[j]
+        whole = stage_memory(stage, priced.costs, chunks=f, checkpoint=checkpoint,
+                             last=j == k - 1)  # fmt: skip
+        weights = param_copies(True) * stage.param_bytes
+        total += weights + (whole - weights) * f / (dp * m)
+        if dp > 1:
+            total += stage.param_bytes
+    return int(total)
+
+
+def _ranked(layouts: list[LayoutEstimate], budget: int | None) -> list[LayoutEstimate]:
+    """Fitting layouts by step time, then the others by memory (ties: fewer ranks of pipeline,
+    fewer micro-batches)."""
+    marked = [
+        e if budget is None or e.memory_bytes <= budget else replace(e, fits=False)
+        for e in layouts
+    ]
+    fit = [e for e in marked if e.fits]
+    rest = [e for e in marked if not e.fits]
+    fit.sort(key=lambda e: (e.step_s, e.memory_bytes, _tie(e)))
+    rest.sort(key=lambda e: (e.memory_bytes, e.step_s, _tie(e)))
+    return fit + rest
+
+
+def _tie(e: LayoutEstimate) -> tuple[int, int, int, str]:
+    return e.pp, e.virtual, e.chunks, e.schedule
+
+
+def _none_found(world: int, batch: int, splits: Mapping[int, _Split | None], chunks: Any) -> str:
+    if not splits:
+        return (
+            f"no layout of world_size={world} fits a global batch of {batch} with "
+            f"chunks={chunks!r}: each of dp replicas needs batch / dp rows in whole "
+            "micro-batches; pass a batch that world_size's divisors divide, or other chunks"
+        )
+    return (
+        f"no layout of world_size={world} for a global batch of {batch}: the replica counts "
+        f"that divide the batch leave pipelines of {sorted(splits)} stages, more than the "
+        "graph can be cut into; use a batch that more replicas can share (a multiple of "
+        "world_size), fewer virtual stages, or fewer ranks"
+    )

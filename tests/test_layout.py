@@ -1,0 +1,200 @@
+"""fxpipe.distributed.suggest_layout: the layouts it ranks, its step-time terms against the
+formulas written out again here, memory against budgets, meta models and bad options."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from models import ZOO, ResidualMLP
+from torch import nn
+
+import fxpipe.distributed as fd
+from fxpipe.distributed.layout import DEFAULT_DP_BANDWIDTH, LAYOUT_SCHEDULES, format_layouts
+from fxpipe.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BATCH, WORLD = 32, 8
+ALL = LAYOUT_SCHEDULES
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return ResidualMLP(depth=8)
+
+
+def _chain() -> nn.Module:
+    """Eight equal layers: every split into 2, 4 or 8 stages is exactly balanced."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+
+
+@cache
+def _layouts(world: int = WORLD, budget: int | None = None) -> tuple[fd.LayoutEstimate, ...]:
+    x = torch.randn(BATCH, 32)
+    return tuple(fd.suggest_layout(_mlp(), x, world, max_memory=budget, schedules=ALL))
+
+
+def test_every_layout_spans_the_world_and_splits_the_batch() -> None:
+    layouts = _layouts()
+    assert layouts
+    shapes = {(e.pp, e.dp) for e in layouts}
+    assert shapes == {(1, 8), (2, 4), (4, 2), (8, 1)}
+    for e in layouts:
+        assert e.pp * e.dp == WORLD
+        assert e.micro_batch * e.chunks * e.dp == BATCH and e.micro_batch >= 1
+        assert e.schedule in ALL and e.stages == e.pp * e.virtual
+        if e.schedule in ("interleaved1f1b", "loopedbfs"):  # looped: v >= 2, m >= pp
+            assert e.virtual >= 2 and e.pp >= 2 and e.chunks >= e.pp
+        else:
+            assert e.virtual == 1
+        if e.schedule == "interleaved1f1b":  # torch's rounds must divide the micro-batches
+            assert e.chunks % max(1, e.chunks // e.pp) == 0
+    assert len({(e.pp, e.virtual, e.chunks, e.schedule) for e in layouts}) == len(layouts)
+
+
+def test_sorted_fitting_by_step_time_then_the_rest_by_memory() -> None:
+    memories = sorted(e.memory_bytes for e in _layouts())
+    budget = memories[len(memories) // 2]
+    layouts = _layouts(budget=budget)
+    fits = [e.fits for e in layouts]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    assert all(e.fits == (e.memory_bytes <= budget) for e in layouts)
+    steps = [e.step_s for e in layouts if e.fits]
+    assert steps == sorted(steps)
+    memory = [e.memory_bytes for e in layouts if not e.fits]
+    assert memory == sorted(memory)
+
+
+def test_terms_match_the_formulas() -> None:
+    for e in _layouts():
+        busiest, total = max(e.rank_s), sum(e.rank_s)
+        assert len(e.rank_s) == e.pp
+        assert e.compute_s == pytest.approx(e.chunks * busiest, rel=1e-12)
+        assert e.bubble_s == pytest.approx((total - busiest) / e.virtual, rel=1e-12, abs=1e-18)
+        assert e.bubble == pytest.approx(e.bubble_s / e.compute_s, rel=1e-12)
+        # unequal ranks: the others take less than the busiest, so at most (p - 1) / (v m)
+        assert e.bubble <= (e.pp - 1) / (e.virtual * e.chunks) + 1e-12
+        parts = e.compute_s + e.bubble_s + e.p2p_s + e.allreduce_s
+        assert e.step_s == pytest.approx(parts, rel=1e-12)
+        assert e.p2p_s >= 0 and e.allreduce_s >= 0
+        assert (e.p2p_s == 0) == (e.pp == 1)
+        assert (e.allreduce_s == 0) == (e.dp == 1)
+
+
+def test_balanced_stages_give_megatrons_bubble() -> None:
+    """Equal ranks: the bubble fraction is (p - 1) / (v m) (Narayanan et al. 2021, §2.2)."""
+    x = torch.randn(16, 64)
+    layouts = fd.suggest_layout(_chain(), x, 4, schedules=ALL, virtual=2)
+    assert {e.pp for e in layouts} == {1, 2, 4}
+    for e in layouts:
+        expected = (e.pp - 1) / (e.virtual * e.chunks)
+        assert e.bubble == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_more_memory_fits_at_least_as_many_layouts() -> None:
+    memories = sorted(e.memory_bytes for e in _layouts())
+    budgets = (1, memories[len(memories) // 2], memories[-1])
+    counts = [sum(e.fits for e in _layouts(budget=b)) for b in budgets]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == len(_layouts())
+    assert all(e.fits for e in _layouts(budget=None))  # no budget: nothing is checked
+
+
+def test_budget_below_every_layout_ranks_all_by_memory() -> None:
+    layouts = _layouts(budget=1)
+    assert len(layouts) == len(_layouts()) and not any(e.fits for e in layouts)
+    memory = [e.memory_bytes for e in layouts]
+    assert memory == sorted(memory)
+
+
+def test_allreduce_grows_as_a_ring_with_dp() -> None:
+    """2 (dp - 1) / dp x the busiest rank's gradient bytes / dp_bandwidth: all of them for
+    pure data parallel, and the same two stages' at 2 and 8 replicas."""
+    grads = sum(p.numel() * p.element_size() for p in _mlp().parameters())
+    for world in (4, 8):
+        plain = next(e for e in _layouts(world) if e.pp == 1)
+        ring = 2 * (world - 1) / world
+        assert plain.allreduce_s == pytest.approx(ring * grads / DEFAULT_DP_BANDWIDTH)
+    two, eight = (
+        next(e for e in _layouts(w) if e.pp == 2 and e.schedule == "1f1b" and e.chunks == 1)
+        for w in (4, 16)
+    )
+    assert eight.allreduce_s / two.allreduce_s == pytest.approx((7 / 8) / (1 / 2))
+
+
+def test_schedules_hold_the_micro_batches_they_keep_in_flight() -> None:
+    by_key = {(e.pp, e.virtual, e.chunks, e.schedule): e for e in _layouts()}
+    gpipe = [e for e in _layouts() if e.schedule == "gpipe"]
+    for e in gpipe:  # all micro-batches in flight: the same activations whatever m
+        same = [g.memory_bytes for g in gpipe if g.pp == e.pp]
+        assert max(same) - min(same) <= e.pp * e.virtual  # int rounding per stage
+        one = by_key[(e.pp, 1, e.chunks, "1f1b")]
+        assert one.memory_bytes <= e.memory_bytes and one.step_s == e.step_s
+    for e in _layouts():
+        if e.schedule == "loopedbfs":
+            inter = by_key.get((e.pp, e.virtual, e.chunks, "interleaved1f1b"))
+            if inter is not None:
+                assert inter.memory_bytes <= e.memory_bytes
+                assert inter.step_s == pytest.approx(e.step_s)
+
+
+def test_a_model_built_on_meta_is_ranked_like_the_real_one() -> None:
+    x = torch.randn(BATCH, 32)
+    with torch.device("meta"):
+        model = ResidualMLP(depth=8)
+    on_meta = fd.suggest_layout(model, x, WORLD, schedules=ALL)
+    assert [(e.pp, e.virtual, e.chunks, e.schedule) for e in on_meta] == [
+        (e.pp, e.virtual, e.chunks, e.schedule) for e in _layouts()
+    ]
+    assert [e.memory_bytes for e in on_meta] == [e.memory_bytes for e in _layouts()]
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(ConfigError, match="cost='time'.*meta"):
+        fd.suggest_layout(model, x, WORLD, cost="time", device="cpu")
+
+
+def test_roofline_prices_with_keyword_inputs() -> None:
+    case = ZOO["transformer"]
+    args, kwargs = case.example(8)
+    layouts = fd.suggest_layout(case.build(), args, 2, example_kwargs=kwargs, cost="auto")
+    assert layouts and all(e.step_s > 0 for e in layouts)
+    assert {(e.pp, e.dp) for e in layouts} == {(1, 2), (2, 1)}
+    table = format_layouts(layouts, limit=3)
+    assert len(table.splitlines()) == 5 and "schedule" in table
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"world_size": 0}, "world_size=0"),
+        ({"world_size": 2.0}, "world_size=2.0"),
+        ({"world_size": True}, "world_size=True"),
+        ({"link_bandwidth": 0}, "link_bandwidth=0"),
+        ({"dp_bandwidth": float("nan")}, "dp_bandwidth=nan"),
+        ({"device_flops": "fast"}, "device_flops='fast'"),
+        ({"max_memory": "lots"}, "'lots'"),
+        ({"max_memory": 0}, "max_memory amount 0"),
+        ({"max_memory": {0: "1GiB"}}, "max_memory={0: '1GiB'}"),
+        ({"schedules": ("zbvzerobubble",)}, "'zbvzerobubble'"),
+        ({"virtual": 1}, "virtual=1"),
+        ({"chunks": 0}, "chunks=0"),
+        ({"chunks": 5}, "chunks=5"),
+        ({"cost": "params"}, "cost='params'"),
+        ({"checkpoint": "sometimes"}, "checkpoint='sometimes'"),
+        ({"slack": -1}, "slack=-1"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_value(options: dict[str, object], named: str) -> None:
+    kwargs: dict[str, object] = {"world_size": 4, **options}
+    world = kwargs.pop("world_size")
+    with pytest.raises(ConfigError) as raised:
+        fd.suggest_layout(_mlp(), torch.randn(BATCH, 32), world, **kwargs)  # type: ignore[arg-type]
+    assert named in str(raised.value)
+
+
+def test_no_layout_at_all_is_refused() -> None:
+    """Three rows over four ranks: no replica count divides them and one Linear cannot be
+    pipelined."""
+    with pytest.raises(ConfigError, match="world_size=4.*batch of 3"):
+        fd.suggest_layout(nn.Linear(4, 4), torch.randn(3, 4), 4)
