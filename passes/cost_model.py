@@ -31,6 +31,7 @@ model and its state (buffers, RNG, ``.grad``) are left as they were.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.errors import ConfigError, StageError
 from fxpipe.ir import CostTable, NodeCost, PricingMode
 from fxpipe.model_state import preserved
-from fxpipe.passes.ops import VIEW_OPS, op_name, state_change, stateful_regions
+from fxpipe.passes.ops import VIEW_OPS, is_check, op_name, state_change, stateful_regions
 from fxpipe.passes.placement import retarget
 from fxpipe.passes.recorded import price_recorded, recorded_shapes, recorded_sizes
 from fxpipe.passes.roofline import HEAVY_ELEMENTWISE, Roofline, roofline_for
@@ -98,10 +99,23 @@ def estimate_costs(
         table: CostTable = price_recorded(gm, example_values, roofline, micro_batches)
         if progress is not None:
             progress(len(table.nodes), len(table.nodes))
-        return table
-    return _run(
-        gm, example_values, mode, None, device, repeats, intensity, progress, micro_batches
+        return _checks_free(gm, table)
+    return _checks_free(
+        gm,
+        _run(gm, example_values, mode, None, device, repeats, intensity, progress, micro_batches),
     )
+
+
+def _checks_free(gm: fx.GraphModule, table: CostTable) -> CostTable:
+    """Assertions (``torch._assert``, export's ``_assert_tensor_metadata``) check metadata
+    and compute nothing: they cost 0, however large the tensor they look at."""
+    checks = [n.name for n in gm.graph.nodes if is_check(n) and table.nodes[n.name].cost]
+    if not checks:
+        return table
+    nodes = dict(table.nodes)
+    for name in checks:
+        nodes[name] = dataclasses.replace(nodes[name], cost=0.0)
+    return dataclasses.replace(table, nodes=nodes)
 
 
 def output_sizes(gm: fx.GraphModule, example_values: Sequence[Any]) -> dict[str, int] | None:

@@ -10,6 +10,7 @@ import torch.fx as fx
 __all__ = [
     "COMPUTE_OPS",
     "VIEW_OPS",
+    "is_check",
     "OPERATOR_IN_PLACE",
     "op_name",
     "module_path",
@@ -153,7 +154,7 @@ def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         return None
     if node.kwargs.get("inplace") is True or node.target is operator.setitem:
         return first
-    if not node.users and not _is_check(node):
+    if not node.users and not is_check(node):
         return first
     if node.op == "call_module":
         return first if getattr(gm.get_submodule(str(node.target)), "inplace", False) else None
@@ -173,6 +174,6 @@ def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _is_check(node: fx.Node) -> bool:
+def is_check(node: fx.Node) -> bool:
     """An assertion fx records (``torch._assert``): it reads its argument, writes nothing."""
     return node.target is torch._assert or "assert" in op_name(node)

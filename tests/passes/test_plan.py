@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from models import ZOO
+from torch import nn
 
 import fxpipe
 import fxpipe.api
@@ -54,3 +55,29 @@ def test_stages_that_share_a_device_share_its_capacity(monkeypatch: pytest.Monke
     monkeypatch.setattr(fxpipe.api, "device_capacity", lambda ds: [budget] * len(ds))
     with pytest.raises(MemoryPlanError, match=r"cpu: needs ~.* GiB for stages \[0, 1\]"):
         _plan(["cpu", "cpu"])
+
+
+class _Casts(nn.Module):
+    """Casts between wide layers: torch.export checks each ``.to`` with an assertion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x.to(torch.float32)))
+        return x
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_an_assertion_costs_nothing_and_stays_with_what_it_checks(k: int) -> None:
+    from fxpipe.passes.ops import is_check
+
+    plan = fxpipe.plan(_Casts(), torch.randn(64, 256), [f"cuda:{j}" for j in range(k)],
+                       tracer="export", cost="flops")  # fmt: skip
+    checks = [n for n in plan.graph_module.graph.nodes if is_check(n)]
+    assert checks, "export records its checks of .to"
+    for node in checks:
+        assert plan.node_cost[node.name] == 0.0
+        assert {plan.stage_of[a.name] for a in node.all_input_nodes} == {plan.stage_of[node.name]}
