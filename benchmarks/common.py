@@ -1,13 +1,17 @@
-"""What the runtime and GPU benchmarks share: the residual MLP they time and its training steps."""
+"""What the benchmarks share: the residual MLP the runtime and GPU ones time, its training
+steps, and writing a result file."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Block", "residual_mlp", "loss_of", "plain_step", "chunked_step"]
+__all__ = ["Block", "residual_mlp", "loss_of", "plain_step", "chunked_step", "save_json"]
 
 
 class Block(nn.Module):
@@ -51,3 +55,11 @@ def chunked_step(model: nn.Module, x: torch.Tensor, chunks: int) -> Callable[[],
             loss_of(model(xi), x.numel()).backward()
 
     return step
+
+
+def save_json(path: Path, payload: dict[str, Any]) -> int:
+    """Write ``payload`` to ``path`` (indented JSON), say so, and return 0 (success)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0

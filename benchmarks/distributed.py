@@ -27,9 +27,11 @@ Each measurement runs ``--warmup`` steps first (not timed; start-up and planning
 timed either), then ``--steps`` timed steps; a pipelined step is timed between barriers on
 every rank and the slowest rank counts. The table shows medians over the rounds; the
 speed-up over eager is the median of the rounds' ratios (target: >= 1.6x on a 2-core
-machine). ``cpu ms`` is the CPU time per step of the busiest process: on a machine shared
-with other work the wall-clock ratios shrink, while the CPU times show the work each
-process does. The rows and the settings go to ``benchmarks/results/distributed.json``.
+machine). Beside the measurements, ``fd.suggest_layout``'s predictions for the same three
+layouts (node costs profiled here on one thread, sends over an assumed 2 GB/s) and the
+ranking each gives. ``cpu ms`` is the CPU time per step of the busiest process: on a
+machine shared with other work the wall-clock ratios shrink, while the CPU times show the
+work each process does. The rows and the settings go to ``benchmarks/results/distributed.json``.
 """
 
 from __future__ import annotations
@@ -235,6 +237,34 @@ def table(runs: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+#: Bytes/s assumed between the 2 processes for the prediction (gloo on loopback, one thread).
+LOOPBACK = 2e9
+
+
+def predict(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each measured layout's step time as ``fd.suggest_layout`` predicts it on 2 ranks:
+    node costs profiled here on one thread (the ranks' setting), sends and the all-reduce
+    over :data:`LOOPBACK`."""
+    torch.set_num_threads(1)
+    x, _ = _batch()
+    layouts = fd.suggest_layout(
+        _model(), x, 2, cost="time", device="cpu", schedules=("gpipe", "1f1b"),
+        chunks=(1, BATCH // MICRO), link_bandwidth=LOOPBACK, dp_bandwidth=LOOPBACK,
+    )  # fmt: skip
+    wanted = {"gpipe": (2, 1, BATCH // MICRO), "1f1b": (2, 1, BATCH // MICRO), "ddp": (1, 2, 1)}
+    out = {}
+    for mode, (pp, dp, m) in wanted.items():
+        schedule = mode if pp > 1 else None
+        (layout,) = [
+            e
+            for e in layouts
+            if (e.pp, e.dp, e.chunks) == (pp, dp, m) and schedule in (None, e.schedule)
+        ][:1]
+        out[mode] = layout.step_s * 1e3
+    assert {r["mode"] for r in rows[1:]} == set(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_out = Path(__file__).resolve().parent / "results" / "distributed.json"
@@ -265,6 +295,21 @@ def main() -> None:
     verdict = "PASS" if best >= TARGET else "MISS"
     print(f"best pipelined speed-up {best:.2f}x (target >= {TARGET}x): {verdict}")
     ddp = next(row for row in rows if row["mode"] == "ddp")
+    predicted = predict(rows)
+    for row in rows[1:]:
+        row["predicted_step_ms"] = predicted[row["mode"]]
+    print("predicted (fd.suggest_layout, cost='time' on this CPU) against measured step:")
+    for row in rows[1:]:
+        print(
+            f"  {row['mode']:<5} predicted {row['predicted_step_ms']:8.1f} ms, measured "
+            f"{row['step_ms']:8.1f} ms ({row['step_ms'] / row['predicted_step_ms']:.2f}x)"
+        )
+    by_prediction = sorted(rows[1:], key=lambda r: r["predicted_step_ms"])
+    by_measure = sorted(rows[1:], key=lambda r: r["step_ms"])
+    print(
+        f"ranking, predicted: {', '.join(r['mode'] for r in by_prediction)}; measured: "
+        f"{', '.join(r['mode'] for r in by_measure)}"
+    )
     piped = min(r["step_ms"] for r in rows if r["stages"] == 2)
     print(
         f"step time, 2 x 1 (pipeline, best schedule) / 1 x 2 (data parallel): "

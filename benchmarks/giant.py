@@ -79,7 +79,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import json
 import logging
 import math
 import os
@@ -98,6 +97,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 import transformers
+from common import save_json
 from hf_plan import _gpt2_xl, _llama_7b
 from partition import format_table
 from torch import nn
@@ -994,9 +994,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": results,
         "wall_s": wall,
     }
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return save_json(args.out, payload)
 
 
 if __name__ == "__main__":

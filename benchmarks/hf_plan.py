@@ -16,7 +16,6 @@ adds tracing with torch.export and pricing on fake tensors).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shlex
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 import transformers
+from common import save_json
 from partition import format_table, min_max_only, traffic
 from torch import nn
 
@@ -165,9 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "wall_s": wall,
     }
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return save_json(args.out, payload)
 
 
 if __name__ == "__main__":
