@@ -107,9 +107,9 @@ from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import CheckpointMode, CostTable, PipelinePlan
 from fxpipe.passes import budgeted
 from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.memory import memory_model, memory_terms, param_copies
-from fxpipe.passes.nx_graph import replicated_attrs, to_networkx
-from fxpipe.passes.ops import COMPUTE_OPS, module_path
+from fxpipe.passes.memory import memory_model, memory_terms, param_copies, whole_coef
+from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs, to_networkx
+from fxpipe.passes.ops import COMPUTE_OPS, is_check, module_path
 from fxpipe.passes.partition import Partition, node_stages, partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.units import Units, build_units
@@ -187,37 +187,44 @@ class Estimate:
         self.params = [(size, names) for size, names in holders.values()]
         self.saved = {n: c.saved_bytes for n, c in costs.nodes.items() if c.saved_bytes}
         shared = replicated_attrs(gm)
-        #: (node, bytes of its value, the nodes that read it; the output node left out: the
-        #: stage that makes a model output returns it).
+        batched = batched_nodes(gm)
+        #: (node, bytes of its value, the nodes that read it (the output node left out: the
+        #: stage that makes a model output returns it), whether it is cut with the batch
+        #: (else the same whole value for every micro-batch, received once per step)).
         self.values = [
             (
                 n.name,
                 costs.nodes[n.name].output_bytes,
                 [u.name for u in n.users if u.op != "output"],
+                n.name in batched,
             )
             for n in gm.graph.nodes
             if n.op != "output" and n.name not in shared
         ]
 
     def parts(self, stage_of: Mapping[str, int], k: int) -> tuple[np.ndarray, ...]:
-        """(parameter bytes, kept bytes, received bytes) of each of the ``k`` stages."""
-        params, saved, received = np.zeros(k), np.zeros(k), np.zeros(k)
+        """(parameter bytes, kept bytes, received bytes, received whole bytes) of each of
+        the ``k`` stages."""
+        params, saved, received, whole = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
         for size, names in self.params:
             for j in {stage_of[n] for n in names}:
                 params[j] += size
         for n, size in self.saved.items():
             saved[stage_of[n]] += size
-        for n, size, users in self.values:
+        for n, size, users, cut in self.values:
             made = stage_of[n]
             for j in {stage_of[u] for u in users} - {made}:
-                received[j] += size
-        return params, saved, received
+                (received if cut else whole)[j] += size
+        return params, saved, received, whole
 
     def stage_bytes(self, stage_of: Mapping[str, int], k: int, *, training: bool) -> np.ndarray:
-        params, saved, received = self.parts(stage_of, k)
+        params, saved, received, whole = self.parts(stage_of, k)
         coef = coefficients(k, training)
         return np.asarray(
-            param_copies(training) * params + coef[:, 0] * saved + coef[:, 1] * received
+            param_copies(training) * params
+            + coef[:, 0] * saved
+            + coef[:, 1] * received
+            + whole_coef(training) * whole
         )
 
 
@@ -452,6 +459,8 @@ def block_bounds(graph: Graph) -> np.ndarray:
     by_name = {n.name: n for n in graph.gm.graph.nodes}
     for u, members in enumerate(graph.units.members):
         for name in members:
+            if is_check(by_name[name]):  # an assertion sits with what it checks
+                continue
             match = pattern.match(module_path(by_name[name]))
             if match:
                 b = int(match.group(1))
@@ -519,12 +528,13 @@ def interval_tables(graph: Graph, bounds: np.ndarray) -> dict[str, np.ndarray]:
     params = np.zeros((size, size))
     for nbytes, names in graph.estimate.params:
         params += nbytes * _within([pos[n] for n in names], bounds)
-    received = np.zeros((size, size))
-    for n, nbytes, users in graph.estimate.values:
+    received, whole = np.zeros((size, size)), np.zeros((size, size))
+    for n, nbytes, users, cut in graph.estimate.values:
         if nbytes and users:
             made_before = (pos[n] < bounds)[:, None]
-            received += nbytes * (_within([pos[u] for u in users], bounds) & made_before)
-    return {"cost": cost, "params": params, "saved": saved, "received": received}
+            table = received if cut else whole
+            table += nbytes * (_within([pos[u] for u in users], bounds) & made_before)
+    return {"cost": cost, "params": params, "saved": saved, "received": received, "whole": whole}
 
 
 def brute_force(graph: Graph) -> BlockSplits:
@@ -544,6 +554,7 @@ def brute_force(graph: Graph) -> BlockSplits:
             param_copies(training) * tables["params"][starts, stops]
             + coef[None, :, 0] * tables["saved"][starts, stops]
             + coef[None, :, 1] * tables["received"][starts, stops]
+            + whole_coef(training) * tables["whole"][starts, stops]
         )
         memory[training] = stage.max(axis=1)
     seconds = time.perf_counter() - started
