@@ -50,7 +50,6 @@ class _Run:
     envs: list[Env]
     #: ``copies[i]``: (value name, device) -> the value copied onto that device.
     copies: list[dict[tuple[str, torch.device], Any]]
-
     #: ``stops[j]``: micro-batches ``i < stops[j]`` of stage ``j`` are checkpointed.
     stops: list[int]
     grad: bool
