@@ -184,7 +184,8 @@ class Spread:
 
 @dataclass(frozen=True)
 class Entering:
-    """A value other units read: received by each stage that reads it and does not make it."""
+    """A value other units read: where it is made and where it is read. The partitioner
+    counts its bytes as traffic; a stage that reads it and does not make it receives it."""
 
     bytes: int
     #: Unit id, MODEL_INPUT or FIRST_READER (made where its first reader is).

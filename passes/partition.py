@@ -95,20 +95,6 @@ class Partition:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class _Value:
-    """A value read by other units: where it is made and where it is read."""
-
-    bytes: int
-    #: unit id; MODEL_INPUT for a placeholder (always in stage 0); FIRST_READER for a
-    #: get_attr value, which lives in the first stage that reads it.
-    producer: int
-    readers: tuple[int, ...]
-    to_output: bool
-    #: Cut with the batch (False: a weight, the same whole value for every micro-batch).
-    batched: bool = True
-
-
 def partition_graph(
     g: nx.DiGraph,
     num_stages: int,
@@ -169,7 +155,7 @@ class _Search:
 
     g: nx.DiGraph
     units: Units
-    values: list[_Value]
+    values: list[Entering]
     ideals: np.ndarray | None
     k: int
     slack: float
@@ -237,7 +223,7 @@ class _Search:
             if window is None:
                 break
             coarse, of_unit, ideals = window
-            coarse_fit = fit.coarsen(of_unit, _entering(_coarse_values(self.values, of_unit)))
+            coarse_fit = fit.coarsen(of_unit, _coarse_values(self.values, of_unit))
             lower, rows = ideal_split(
                 ideals,
                 coarse.weight,
@@ -307,7 +293,7 @@ class _Search:
         coarse_values = _coarse_values(self.values, of_unit)
         chosen = _fewest_bytes_on_ideals(
             coarse, coarse_values, ideals, k, _cap(best, 0.0), self.traffic,
-            fit.coarsen(of_unit, _entering(coarse_values)),
+            fit.coarsen(of_unit, coarse_values),
         )  # fmt: skip
         return self.found(chosen[of_unit], "least memory+windows", fit)
 
@@ -324,7 +310,7 @@ class _Search:
 
     def entering(self) -> list[Entering]:
         """The values units receive, as the memory pricing reads them."""
-        return _entering(self.values)
+        return self.values
 
     def with_stages(self, k: int) -> _Search | None:
         """The same search into ``k`` stages; None when the graph has too few cuts."""
@@ -336,11 +322,6 @@ class _Search:
             self.g, self.units, self.values, self.ideals, k, self.slack, self.traffic,
             self.window_limit,
         )  # fmt: skip
-
-
-def _entering(values: list[_Value]) -> list[Entering]:
-    """``values`` as :class:`fxpipe.passes.memory.Entering` (the same producer codes)."""
-    return [Entering(v.bytes, v.producer, v.readers, v.to_output, v.batched) for v in values]
 
 
 def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
@@ -368,7 +349,7 @@ def _check_enough_units(g: nx.DiGraph, units: Units, num_stages: int) -> None:
     )
 
 
-def _values(g: nx.DiGraph, units: Units, traffic: Traffic) -> list[_Value]:
+def _values(g: nx.DiGraph, units: Units, traffic: Traffic) -> list[Entering]:
     """Every value read outside the unit that makes it; the model output counts as a reader
     in the last stage only in relay traffic (direct: the maker returns it to the caller)."""
     out = []
@@ -390,7 +371,7 @@ def _values(g: nx.DiGraph, units: Units, traffic: Traffic) -> list[_Value]:
         lone_attr = producer == FIRST_READER and len(others) < 2
         if (others or to_output) and not lone_attr:
             batched = bool(data.get("batched", True))
-            out.append(_Value(int(data["bytes"]), producer, tuple(others), to_output, batched))
+            out.append(Entering(int(data["bytes"]), producer, tuple(others), to_output, batched))
     return out
 
 
@@ -400,7 +381,7 @@ Pick = Callable[[float], tuple[np.ndarray, str]]
 
 def _search_on_ideals(
     units: Units,
-    values: list[_Value],
+    values: list[Entering],
     ideals: np.ndarray,
     k: int,
     traffic: Traffic,
@@ -427,7 +408,7 @@ def _search_on_ideals(
 
 def _fewest_bytes_on_ideals(
     units: Units,
-    values: list[_Value],
+    values: list[Entering],
     ideals: np.ndarray,
     k: int,
     cap: float,
@@ -459,7 +440,7 @@ def _fewest_bytes_on_ideals(
     return stages
 
 
-def _coarse_values(values: list[_Value], of_unit: np.ndarray) -> list[_Value]:
+def _coarse_values(values: list[Entering], of_unit: np.ndarray) -> list[Entering]:
     """``values`` seen on coarse units (``of_unit[u]``: the coarse unit of fine unit u): what
     :func:`_values` returns for them, without walking the graph again."""
     out = []
@@ -468,11 +449,11 @@ def _coarse_values(values: list[_Value], of_unit: np.ndarray) -> list[_Value]:
         others = sorted({int(of_unit[r]) for r in v.readers} - {producer})
         lone_attr = producer == FIRST_READER and len(others) < 2
         if (others or v.to_output) and not lone_attr:
-            out.append(_Value(v.bytes, producer, tuple(others), v.to_output, v.batched))
+            out.append(Entering(v.bytes, producer, tuple(others), v.to_output, v.batched))
     return out
 
 
-def _made_in(ideals: np.ndarray, v: _Value) -> np.ndarray:
+def _made_in(ideals: np.ndarray, v: Entering) -> np.ndarray:
     """Which ideals hold the stage that makes ``v``."""
     if v.producer == MODEL_INPUT:
         return np.ones(len(ideals), dtype=bool)
@@ -481,7 +462,7 @@ def _made_in(ideals: np.ndarray, v: _Value) -> np.ndarray:
     return np.asarray(ideals[:, v.producer])
 
 
-def _bytes_leaving(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
+def _bytes_leaving(ideals: np.ndarray, values: list[Entering]) -> np.ndarray:
     """Relay traffic: ``out[J]``, the bytes of values made in ideal J and read outside it."""
     leaving = np.zeros(len(ideals))
     for v in values:
@@ -491,7 +472,7 @@ def _bytes_leaving(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
     return leaving
 
 
-def _bytes_entering(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
+def _bytes_entering(ideals: np.ndarray, values: list[Entering]) -> np.ndarray:
     """Direct traffic: ``out[I, J]``, the bytes stage ``I - J`` receives, i.e. of the values
     made in J with a reader in ``I - J`` (each once, however many readers it has there).
 
@@ -507,7 +488,7 @@ def _bytes_entering(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
         grouped[(v.producer, v.readers, v.to_output)] += v.bytes
     receives, sends = [], []
     for (producer, units_reading, to_output), size in grouped.items():
-        made = _made_in(ideals, _Value(0, producer, units_reading, to_output))
+        made = _made_in(ideals, Entering(0, producer, units_reading, to_output))
         inside = ideals[:, list(units_reading)].sum(axis=1) + (last if to_output else 0)
         for c in range(len(units_reading) + to_output):
             receives.append(inside > c)
@@ -520,7 +501,7 @@ def _bytes_entering(ideals: np.ndarray, values: list[_Value]) -> np.ndarray:
 def _search_on_orders(
     g: nx.DiGraph,
     units: Units,
-    values: list[_Value],
+    values: list[Entering],
     k: int,
     traffic: Traffic,
     window_limit: int,
@@ -544,7 +525,7 @@ def _search_on_orders(
             coarse_values = _coarse_values(values, of_unit)
             chosen = _fewest_bytes_on_ideals(
                 coarse, coarse_values, ideals, k, cap, traffic,
-                fit.coarsen(of_unit, _entering(coarse_values)),
+                fit.coarsen(of_unit, coarse_values),
             )  # fmt: skip
             candidates.append((chosen[of_unit], f"order:{name}+windows"))
         for value, other, other_order, other_first, other_borders in tried:
@@ -601,7 +582,7 @@ def _order_fewest_bytes(
 
 def _windows_until_stable(
     units: Units,
-    values: list[_Value],
+    values: list[Entering],
     split: np.ndarray,
     best: float,
     k: int,
@@ -618,7 +599,7 @@ def _windows_until_stable(
             break
         window = found
         coarse, of_unit, ideals = found
-        coarse_fit = fit.coarsen(of_unit, _entering(_coarse_values(values, of_unit)))
+        coarse_fit = fit.coarsen(of_unit, _coarse_values(values, of_unit))
         value, rows = ideal_split(
             ideals,
             coarse.weight,
@@ -772,7 +753,7 @@ def _first_cut(units: Units, order: list[int]) -> int:
     return max((position[u] for u in units.pinned_first), default=-1) + 1
 
 
-def _cut_bytes(order: list[int], values: list[_Value]) -> np.ndarray:
+def _cut_bytes(order: list[int], values: list[Entering]) -> np.ndarray:
     """Bytes crossing a border before each position of ``order`` (relay counting)."""
     num = len(order)
     position = np.empty(num, dtype=np.int64)
@@ -791,7 +772,7 @@ def _cut_bytes(order: list[int], values: list[_Value]) -> np.ndarray:
     return np.cumsum(diff)[: num + 1]
 
 
-def sent_bytes(values: list[_Value], unit_stage: np.ndarray, k: int, traffic: Traffic) -> float:
+def sent_bytes(values: list[Entering], unit_stage: np.ndarray, k: int, traffic: Traffic) -> float:
     """Bytes the stages of ``unit_stage`` send each other under ``traffic``."""
     total = 0.0
     for v in values:

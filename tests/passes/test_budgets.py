@@ -31,7 +31,6 @@ from fxpipe.passes.memory import MemoryModel, memory_model, unit_memory
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.partition import (
     Partition,
-    _entering,
     _values,
     candidate_orders,
     partition_graph,
@@ -328,9 +327,7 @@ def test_the_search_prices_memory_as_the_plan_does(name: str, traffic: str) -> N
             training=training,
         )  # fmt: skip
         assert model is not None
-        priced = unit_memory(
-            model, g, units.unit_of, units.num_units, _entering(_values(g, units, traffic))
-        )
+        priced = unit_memory(model, g, units.unit_of, units.num_units, _values(g, units, traffic))
         order = candidate_orders(units)["depth"]
         for _ in range(4):  # random splits of one order
             borders = sorted(rng.choice(np.arange(1, units.num_units), k - 1, replace=False))
@@ -366,7 +363,7 @@ def test_the_search_prices_memory_as_the_plan_does(name: str, traffic: str) -> N
         ideals = enumerate_ideals(units.dag, 3000)
         if ideals is not None:  # stages I - J of the lattice, against the split J | I - J | V - I
             table = priced.on_ideals(ideals)
-            entering = _entering(_values(g, units, traffic))
+            entering = _values(g, units, traffic)
             for _ in range(10):
                 i = int(rng.integers(1, len(ideals)))
                 below = [r for r in range(i) if (ideals[r] <= ideals[i]).all()]
