@@ -89,7 +89,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +108,7 @@ from fxpipe.passes import budgeted
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.memory import memory_model, memory_terms, param_copies, whole_coef
 from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs, to_networkx
-from fxpipe.passes.ops import COMPUTE_OPS, is_check, module_path
+from fxpipe.passes.ops import COMPUTE_OPS, held_parameters, is_check, module_path
 from fxpipe.passes.partition import Partition, node_stages, partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.units import Units, build_units
@@ -174,14 +173,7 @@ class Estimate:
     def __init__(self, gm: fx.GraphModule, costs: CostTable) -> None:
         holders: dict[int, tuple[int, list[str]]] = {}
         for node in gm.graph.nodes:
-            if node.op == "call_module":
-                tensors = list(gm.get_submodule(str(node.target)).parameters())
-            elif node.op == "get_attr":
-                value = attrgetter(str(node.target))(gm)
-                tensors = [value] if isinstance(value, nn.Parameter) else []
-            else:
-                continue
-            for p in tensors:
+            for p in held_parameters(gm, node):
                 holders.setdefault(id(p), (p.numel() * p.element_size(), []))[1].append(node.name)
         #: (bytes, nodes that hold it), one entry per parameter tensor.
         self.params = [(size, names) for size, names in holders.values()]
@@ -371,17 +363,8 @@ def run_fxpipe(graph: Graph, budget: float, *, training: bool) -> FxRun:
     graph.searches.append(search)
     if part is None:
         return FxRun(search, None)
-    plan = build_plan(
-        graph.gm,
-        graph.costs,
-        graph.g,
-        part,
-        graph.devices,
-        chunks=CHUNKS,
-        checkpoint=CHECKPOINT,
-        capacity=budgets,
-        training=training,
-    )  # raises MemoryPlanError if the estimate of the plan disagrees with the search's
+    # raises MemoryPlanError if the estimate of the plan disagrees with the search's
+    plan = plan_of(graph, part, training=training, capacity=budgets)
     check_memory(graph, plan.stage_of, [s.memory_bytes for s in plan.stages], training)
     return FxRun(search, plan)
 
@@ -448,6 +431,23 @@ class BlockSplits:
         for j in range(STAGES):
             out[cuts[j] : cuts[j + 1]] = j
         return out
+
+
+def plan_of(
+    graph: Graph, part: Partition, *, training: bool, capacity: Sequence[int] | None = None
+) -> PipelinePlan:
+    """``build_plan`` of ``part`` at the benchmark's chunks and checkpoint mode."""
+    return build_plan(
+        graph.gm,
+        graph.costs,
+        graph.g,
+        part,
+        graph.devices,
+        chunks=CHUNKS,
+        checkpoint=CHECKPOINT,
+        capacity=capacity,
+        training=training,
+    )
 
 
 def block_bounds(graph: Graph) -> np.ndarray:
@@ -569,16 +569,7 @@ def check_brute_force(graph: Graph, splits: BlockSplits, picks: Sequence[int]) -
         stage_of = node_stages(graph.g, graph.units, unit_stage, STAGES)
         part = Partition(stage_of, float(splits.bottleneck[i]), "block boundaries", 0.0)
         for training in (False, True):
-            plan = build_plan(
-                graph.gm,
-                graph.costs,
-                graph.g,
-                part,
-                graph.devices,
-                chunks=CHUNKS,
-                checkpoint=CHECKPOINT,
-                training=training,
-            )
+            plan = plan_of(graph, part, training=training)
             planned = max(s.memory_bytes for s in plan.stages)
             if abs(planned - splits.memory[training][i]) > STAGES:
                 raise AssertionError(

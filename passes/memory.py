@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any
 
 import networkx as nx
@@ -32,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.ir import CheckpointMode, CostTable
+from fxpipe.passes.ops import held_parameters
 
 __all__ = [
     "PARAM_COPIES",
@@ -149,14 +149,7 @@ def memory_model(
         return None
     holders: dict[int, tuple[int, list[str]]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_module":
-            tensors = list(gm.get_submodule(str(node.target)).parameters())
-        elif node.op == "get_attr":
-            value = attrgetter(str(node.target))(gm)
-            tensors = [value] if isinstance(value, torch.nn.Parameter) else []
-        else:
-            continue
-        for p in tensors:
+        for p in held_parameters(gm, node):
             entry = holders.setdefault(id(p), (p.numel() * p.element_size(), []))
             entry[1].append(node.name)
     return MemoryModel(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from operator import attrgetter
 
 import torch
 import torch.fx as fx
@@ -11,6 +12,7 @@ __all__ = [
     "COMPUTE_OPS",
     "VIEW_OPS",
     "is_check",
+    "held_parameters",
     "OPERATOR_IN_PLACE",
     "op_name",
     "module_path",
@@ -177,3 +179,13 @@ def mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
 def is_check(node: fx.Node) -> bool:
     """An assertion fx records (``torch._assert``): it reads its argument, writes nothing."""
     return node.target is torch._assert or "assert" in op_name(node)
+
+
+def held_parameters(gm: fx.GraphModule, node: fx.Node) -> list[torch.nn.Parameter]:
+    """The Parameters ``node`` holds: a ``call_module``'s, or the one a ``get_attr`` reads."""
+    if node.op == "call_module":
+        return list(gm.get_submodule(str(node.target)).parameters())
+    if node.op == "get_attr":
+        value = attrgetter(str(node.target))(gm)
+        return [value] if isinstance(value, torch.nn.Parameter) else []
+    return []

@@ -11,7 +11,6 @@ Training memory of a stage (GPipe, activations re-materialised when checkpointin
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from operator import attrgetter
 
 import networkx as nx
 import torch
@@ -27,7 +26,7 @@ from fxpipe.passes.memory import (
     whole_coef,
 )
 from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
-from fxpipe.passes.ops import module_path
+from fxpipe.passes.ops import held_parameters, module_path
 from fxpipe.passes.partition import Partition
 
 __all__ = ["build_plan", "stage_memory", "stage_span", "training_overflow", "PARAM_COPIES"]
@@ -143,15 +142,7 @@ def _param_bytes(gm: fx.GraphModule, nodes: tuple[str, ...], shared: frozenset[s
     by_name = {n.name: n for n in gm.graph.nodes}
     read = {a.name for n in nodes for a in by_name[n].all_input_nodes if a.name in shared}
     for name in [*nodes, *sorted(read - set(nodes))]:
-        node = by_name[name]
-        if node.op == "call_module":
-            tensors = list(gm.get_submodule(str(node.target)).parameters())
-        elif node.op == "get_attr":
-            value = attrgetter(str(node.target))(gm)
-            tensors = [value] if isinstance(value, torch.nn.Parameter) else []
-        else:
-            continue
-        for p in tensors:
+        for p in held_parameters(gm, by_name[name]):
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
@@ -186,21 +177,31 @@ def training_overflow(
 ) -> dict[str, tuple[int, int]]:
     """Device -> (bytes its stages need in training, its capacity), for each device the
     plan's stages would not fit in training (empty when they fit or nothing is known)."""
-    need: dict[str, int] = {}
-    have: dict[str, int] = {}
     k = plan.num_stages
     batched = batched_nodes(plan.graph_module)
-    for s in plan.stages:
-        limit = plan.capacities[s.index] if plan.capacities else None
-        if limit is None:
-            continue
-        key = str(s.device)
-        last = s.index == k - 1
-        memory = stage_memory(
-            s, plan.costs, chunks=chunks, checkpoint=checkpoint, last=last, batched=batched
+    memory = [
+        stage_memory(
+            s, plan.costs, chunks=chunks, checkpoint=checkpoint, last=s.index == k - 1,
+            batched=batched,
         )
-        need[key] = need.get(key, 0) + memory
-        have[key] = limit
+        for s in plan.stages
+    ]  # fmt: skip
+    return _overflow(plan.stages, memory, plan.capacities or (None,) * k)
+
+
+def _overflow(
+    stages: Sequence[StagePlan], memory: Sequence[int], capacity: Sequence[int | None]
+) -> dict[str, tuple[int, int]]:
+    """Device -> (the summed ``memory`` of its stages, its capacity), for each device whose
+    stages need more than it has (stages that share a device share its memory)."""
+    need: dict[str, int] = {}
+    have: dict[str, int] = {}
+    for s, used in zip(stages, memory, strict=True):
+        limit = capacity[s.index]
+        if limit is not None:
+            key = str(s.device)
+            need[key] = need.get(key, 0) + used
+            have[key] = limit
     return {d: (n, have[d]) for d, n in need.items() if n > have[d]}
 
 
@@ -221,21 +222,13 @@ def _check_fits(
     stages: list[StagePlan], capacity: Sequence[int | None], chunks: int, training: bool
 ) -> None:
     """Stages that share a device share its memory: check each device's total."""
-    need: dict[str, int] = {}
-    have: dict[str, int] = {}
-    for s in stages:
-        limit = capacity[s.index]
-        if limit is not None:
-            key = str(s.device)
-            need[key] = need.get(key, 0) + s.memory_bytes
-            have[key] = limit
-    over = {d: n for d, n in need.items() if n > have[d]}
+    over = _overflow(stages, [s.memory_bytes for s in stages], capacity)
     if not over:
         return
     rows = "\n".join(
         f"  {d}: needs ~{n / 2**30:.2f} GiB for stages "
-        f"{[s.index for s in stages if str(s.device) == d]} of {have[d] / 2**30:.2f} GiB"
-        for d, n in over.items()
+        f"{[s.index for s in stages if str(s.device) == d]} of {cap / 2**30:.2f} GiB"
+        for d, (n, cap) in over.items()
     )
     if training:
         remedy = "add devices, use checkpoint='always', more chunks, or a smaller batch"
