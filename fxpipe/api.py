@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,34 +266,60 @@ def compile_model(
 ) -> Compiled:
     """Trace, price, partition and split; the steps of :func:`pipeline` before any device
     work. ``present``: the devices must exist here (False for a plan only)."""
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
     targets = normalize_devices(devices, require_present=present)
     capacity = device_capacity(targets)
     budgets = stage_budgets(parse_max_memory(options.max_memory), targets, capacity)
     speeds = stage_speeds(parse_speed(options.speed), targets)
+    with traced_example(
+        model, example_input, example_kwargs, tracer=options.tracer, pricing=options.pricing()
+    ) as (traced, batch):
+        if options.replicate_weights:
+            replicate_shared_weights(traced.graph_module)
+        return _compile_traced(model, traced, batch, targets, budgets, speeds, options)
+
+
+@contextmanager
+def traced_example(
+    model: nn.Module,
+    example_input: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    *,
+    tracer: TracerName,
+    pricing: PricingMode | Callable[[fx.Node], float],
+) -> Iterator[tuple[Traced, int]]:
+    """``model`` traced on the example, whose outputs are checked to follow its batch; yields
+    (the traced model, the batch size). A model built on ``meta`` is traced on a meta copy
+    of the example (``pricing`` must not need real values); one that also holds real
+    tensors is seen as shapes only for the ``with`` block."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
+    view: AbstractContextManager[Any] = nullcontext()
     if holds_meta(model):  # built on meta: traced and priced on a meta copy of the example
-        check_meta_pricing(model, options.pricing())
+        check_meta_pricing(model, pricing)
         example_input, example_kwargs = on_meta((example_input, example_kwargs))
         if not all_meta(model):  # real tensors beside meta ones: planned as shapes only
-            with meta_view(model):
-                return compile_model(
-                    model,
-                    example_input,
-                    devices,
-                    options,
-                    example_kwargs=example_kwargs,
-                    present=present,
-                )
-    args = example_args(example_input)
-    batch = example_batch(inspect.signature(model.forward), args, example_kwargs or {})
-    with phase("trace", f"{type(model).__name__} (tracer={options.tracer!r})"):
-        traced = trace(model, args, example_kwargs, tracer=options.tracer)
-    if options.replicate_weights:
-        replicate_shared_weights(traced.graph_module)
-    with phase("check", "outputs follow the batch"):
-        with preserved(model), fake_runnable(model):  # fake runs may write into buffers
-            check_outputs_follow_batch(traced, batch)
+            view = meta_view(model)
+    with view:
+        args = example_args(example_input)
+        batch = example_batch(inspect.signature(model.forward), args, example_kwargs or {})
+        with phase("trace", f"{type(model).__name__} (tracer={tracer!r})"):
+            traced = trace(model, args, example_kwargs, tracer=tracer)
+        with phase("check", "outputs follow the batch"):
+            with preserved(model), fake_runnable(model):  # fake runs may write into buffers
+                check_outputs_follow_batch(traced, batch)
+        yield traced, batch
+
+
+def _compile_traced(
+    model: nn.Module,
+    traced: Traced,
+    batch: int,
+    targets: Sequence[torch.device],
+    budgets: Sequence[int | None],
+    speeds: tuple[float, ...] | None,
+    options: PlanOptions,
+) -> Compiled:
+    """Price, partition and split a traced model."""
     pricing = options.pricing()
     micro_batches = options.micro_batches(len(targets), batch)
     training = model.training and torch.is_grad_enabled()  # else: memory for inference

@@ -49,7 +49,6 @@ micro-batches; for looped BFS, which runs every forward of a stage before the ne
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -59,6 +58,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from fxpipe.api import traced_example
 from fxpipe.budgets import parse_amount
 from fxpipe.devices import parse_device
 from fxpipe.errors import ConfigError, PlanError
@@ -70,7 +70,6 @@ from fxpipe.ir import (
     PipelinePlan,
     PricingMode,
 )
-from fxpipe.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
 from fxpipe.model_state import preserved
 from fxpipe.options import check_choice, check_slack
 from fxpipe.passes.cost_model import estimate_costs
@@ -78,8 +77,7 @@ from fxpipe.passes.memory import param_copies
 from fxpipe.passes.nx_graph import replicate_shared_weights, to_networkx
 from fxpipe.passes.partition import partition_graph
 from fxpipe.passes.plan import build_plan, stage_memory
-from fxpipe.trace.example_checks import check_outputs_follow_batch, example_args, example_batch
-from fxpipe.trace.tracing import Traced, fake_runnable, trace
+from fxpipe.trace.tracing import Traced, fake_runnable
 
 __all__ = [
     "LayoutEstimate",
@@ -374,26 +372,15 @@ def _price(
 ) -> _Priced:
     """Trace and price once (a model on ``meta`` on a meta copy of the example, as
     :func:`fxpipe.api.compile_model` does)."""
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
-    if holds_meta(model):
-        check_meta_pricing(model, mode)
-        example_input, example_kwargs = on_meta((example_input, example_kwargs))
-        if not all_meta(model):
-            with meta_view(model):
-                return _price(model, example_input, example_kwargs, mode, tracer, device,
-                              device_flops)  # fmt: skip
-    args = example_args(example_input)
-    batch = example_batch(inspect.signature(model.forward), args, example_kwargs or {})
-    traced = trace(model, args, example_kwargs, tracer=tracer)
-    replicate_shared_weights(traced.graph_module)  # as pipeline_schedule plans them
-    with preserved(model), fake_runnable(model):
-        check_outputs_follow_batch(traced, batch)
-        costs = _costs(traced, mode, device, 1)
-        fixed: dict[str, float] = {}
-        if mode == "roofline":  # a second pricing tells the per-micro-batch part apart
-            twice = _costs(traced, mode, device, 2)
-            fixed = {n: max(twice.nodes[n].cost - c.cost, 0.0) for n, c in costs.nodes.items()}
+    front = traced_example(model, example_input, example_kwargs, tracer=tracer, pricing=mode)
+    with front as (traced, batch):
+        replicate_shared_weights(traced.graph_module)  # as pipeline_schedule plans them
+        with preserved(model), fake_runnable(model):
+            costs = _costs(traced, mode, device, 1)
+            fixed: dict[str, float] = {}
+            if mode == "roofline":  # a second pricing tells the per-micro-batch part apart
+                twice = _costs(traced, mode, device, 2)
+                fixed = {n: max(twice.nodes[n].cost - c.cost, 0.0) for n, c in costs.nodes.items()}
     seconds = 1.0 / device_flops if mode == "flops" else 1.0
     graph = to_networkx(traced.graph_module, costs)
     return _Priced(traced, costs, graph, batch, seconds, fixed)
