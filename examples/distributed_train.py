@@ -2,13 +2,15 @@
 
     torchrun --nproc-per-node 2 examples/distributed_train.py [--schedule 1f1b] [--steps 5]
     torchrun --nproc-per-node 4 examples/distributed_train.py --pp 2 --dp 2 [--save DIR]
+    torchrun --nproc-per-node 4 examples/distributed_train.py --pp 2 --dp 2 --data-parallel fsdp
 
 One process per stage: gloo on CPU, NCCL (one GPU per process) when CUDA is available.
 Every rank builds the same model and calls ``pipeline_schedule``; fxpipe traces it, splits
 it into balanced stages (the long skip from the stem to the head is relayed through the
 stages in between) and keeps on each rank only its own stage's parameters. With ``--dp``,
 the ranks form a ``(pp, dp)`` mesh: ``dp`` pipeline replicas, each fed its slice of the
-global batch, whose stages average gradients with DDP. The last rank of each replica prints
+global batch, whose stages average gradients with DDP (``--data-parallel fsdp``: FSDP2,
+each replica holding a shard of every parameter). The last rank of each replica prints
 the loss of each step; at the end the first replica's rank 0 gathers its shards into one
 state dict and checks it in the plain, unpipelined model, and ``--save`` writes one
 ``torch.distributed.checkpoint`` for the whole job (loadable at another layout).
@@ -83,6 +85,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: all)")
     parser.add_argument("--dp", type=int, default=1, help="pipeline replicas")
+    parser.add_argument("--data-parallel", default="ddp", help="ddp or fsdp (with --dp)")
     parser.add_argument("--save", default=None, help="folder for a distributed checkpoint")
     opts = parser.parse_args()
 
@@ -120,6 +123,7 @@ def main() -> None:
         scale_grads=True,
         device=device,
         mesh=mesh,
+        data_parallel=opts.data_parallel,
     )
     if rank == 0:
         print(pipe.plan.summary(), flush=True)

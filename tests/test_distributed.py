@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 TESTS = Path(__file__).resolve().parent
@@ -103,6 +104,11 @@ def _eager(name: str, batch: int = BATCH) -> tuple[nn.Module, float]:
 # ---------------------------------------------------------------------------- rank jobs
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor: FSDP's DTensors gathered (a collective over "dp")."""
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+
 def _step(pipe: fd.DistributedPipeline, args: Any, kwargs: Any, target: Any) -> list[Any]:
     losses: list[Any] = []
     if pipe.is_first:
@@ -124,10 +130,11 @@ def _train(
     spr: int = 1,
     scale_grads: bool = False,
     dp: int = 1,
+    data_parallel: str = "ddp",
 ) -> dict[str, Any]:
-    """One pipelined step, then one SGD step; gradients and the state-dict shard. With
-    ``dp > 1``: a (world / dp) x dp mesh, replica ``i`` taking the i-th slice of a global
-    batch of ``dp * BATCH``."""
+    """One pipelined step, then one SGD step; gradients and the state-dict shard (whole
+    tensors, gathered from FSDP's shards). With ``dp > 1``: a (world / dp) x dp mesh,
+    replica ``i`` taking the i-th slice of a global batch of ``dp * BATCH``."""
     build, args, kwargs, loss_fn, target = _problem(name, dp * BATCH)
     model = build()
     mesh, replica = None, 0
@@ -150,11 +157,13 @@ def _train(
         stages_per_rank=spr,
         scale_grads=scale_grads,
         mesh=mesh,
+        data_parallel=data_parallel,
     )
     losses = _step(pipe, args, kwargs, target)
     pipe.sync_tied_gradients()
     own = dict(pipe.named_parameters())
-    grads = {k: p.grad.clone() for k, p in own.items() if p.grad is not None}
+    sharded = sorted(k for k, p in own.items() if isinstance(p, DTensor))
+    grads = {k: _whole(p.grad) for k, p in own.items() if p.grad is not None}
     kept = [k for k, p in model.named_parameters() if k not in own and not p.is_meta]
     torch.optim.SGD(pipe.parameters(), lr=0.01).step()
     gm = pipe.plan.graph_module
@@ -170,7 +179,8 @@ def _train(
         "replica": replica,
         "loss": float(sum(losses)) if losses else None,
         "grads": grads,
-        "shard": {k: v.clone() for k, v in pipe.state_dict().items()},
+        "shard": {k: _whole(v) for k, v in pipe.state_dict().items()},
+        "sharded": sharded,
         "replicated": pipe.replicated_keys,
         "sent_attrs": [e.value for e in pipe.plan.edges if e.value in attrs],
         "not_released": kept,
@@ -197,12 +207,24 @@ def _sync(rank: int, world: int) -> dict[str, Any]:
     return {"both": both.grad, "mine": mine.grad}
 
 
-def _meta_model(rank: int, world: int) -> dict[str, Any]:
-    """A model built on ``meta``: planned, its stage materialised and loaded, trained."""
-    _, args, kwargs, loss_fn, target = _problem("mlp_residual")
+def _meta_model(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
+    """A model built on ``meta``: planned, its stage materialised and loaded, trained. With
+    ``dp > 1``: replicas over a (world / dp) x dp mesh with FSDP, each loading its shards
+    from the full state dict and training on its slice of a batch of ``dp * BATCH``."""
+    _, args, kwargs, loss_fn, target = _problem("mlp_residual", dp * BATCH)
     with torch.device("meta"):
         model = ResidualMLP()
-    pipe = fd.pipeline_schedule(model, args, n_microbatches=N_MB, loss_fn=loss_fn, schedule="1f1b")
+    mesh, replica = None, 0
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+        replica = mesh.get_local_rank("dp")
+        args, target = tuple(a.chunk(dp)[replica] for a in args), target.chunk(dp)[replica]
+    pipe = fd.pipeline_schedule(
+        model, args, n_microbatches=N_MB, loss_fn=loss_fn, schedule="1f1b", mesh=mesh,
+        data_parallel="fsdp",
+    )  # fmt: skip
     own = dict(pipe.named_parameters())
     placed = all(not p.is_meta for p in own.values())
     released = all(p.is_meta for k, p in model.named_parameters() if k not in own)
@@ -214,7 +236,7 @@ def _meta_model(rank: int, world: int) -> dict[str, Any]:
         refused = str(e)
     pipe.load_stage_state_dict(full)
     losses = _step(pipe, args, kwargs, target)
-    grads = {k: p.grad.clone() for k, p in own.items()}
+    grads = {k: _whole(p.grad) for k, p in own.items()}
     merged = pipe.gather_state_dict(dst=0)
     return {
         "placed": placed,
@@ -250,11 +272,13 @@ def _train_steps(
     return out
 
 
-def _resume(rank: int, world: int, *, folder: str, other: str) -> dict[str, Any]:
+def _resume(
+    rank: int, world: int, *, folder: str, other: str, data_parallel: str
+) -> dict[str, Any]:
     """The tied-embedding transformer, SGD with momentum, a mean loss over a global batch of
-    2 x BATCH:
-    one step at 2 stages x 2 replicas, saved with torch.distributed.checkpoint; then loaded
-    at 4 stages x 1 replica, which takes two more steps."""
+    2 x BATCH: one step at 2 stages x 2 replicas (``data_parallel`` over them), saved with
+    torch.distributed.checkpoint; then loaded at 4 stages x 1 replica, which takes two more
+    steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _, args, _, _, target = _problem("transformer", 2 * BATCH)
@@ -265,14 +289,15 @@ def _resume(rank: int, world: int, *, folder: str, other: str) -> dict[str, Any]
         mine = (args[0].chunk(dp)[replica],), target.chunk(dp)[replica]
         pipe = fd.pipeline_schedule(
             _tiny_gpt(), mine[0], n_microbatches=N_MB, loss_fn=_lm_mean, scale_grads=True,
-            mesh=mesh, schedule="1f1b",
+            mesh=mesh, schedule="1f1b", data_parallel=data_parallel,
         )  # fmt: skip
         optimizer = _optimizer(pipe.parameters())
         if layout == "save":
             saved["losses"] = _train_steps(pipe, optimizer, mine[0], mine[1], 1)
             pipe.save_checkpoint(folder, optimizer)
+            shard = {k: _whole(v) for k, v in pipe.state_dict().items()}  # every replica
             if replica == 0:
-                saved["shard"] = {k: v.clone() for k, v in pipe.state_dict().items()}
+                saved["shard"] = shard
         else:
             saved["refused"] = []
             for wrong in (other, folder + "-missing"):  # each rank alone, nothing sent
@@ -488,44 +513,71 @@ def _check_replica(eager: nn.Module, results: list[dict[str, Any]], divide: int)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name, schedule",
-    [("unet", "gpipe"), ("unet", "1f1b"), ("multi_io_dict", "1f1b"), ("llama", "1f1b")],
-)
-def test_two_ranks_match_eager(tmp_path: Path, name: str, schedule: str) -> None:
-    results = _results(_launch(_train, 2, tmp_path, name=name, schedule=schedule))
-    assert [r["stages"] for r in results] == [(0,), (1,)]
-    _check_against_eager(name, results)
+def test_two_ranks_match_eager(tmp_path: Path) -> None:
+    """Long skips (unet) under GPipe and 1F1B, dict inputs and outputs, a Llama decoder."""
+    cases = [("unet", "gpipe", 1), ("unet", "1f1b", 1), ("multi_io_dict", "1f1b", 1)]
+    cases.append(("llama", "1f1b", 1))
+    runs = _launch(_train_cases, 2, tmp_path, cases=cases)
+    for (name, _, _), *results in zip(cases, *_results(runs)):
+        assert [r["stages"] for r in results] == [(0,), (1,)], name
+        _check_against_eager(name, results)
 
 
-@pytest.mark.parametrize(
-    "name, schedule, spr",
-    sweep([("unet", "1f1b", 1), ("transformer", "gpipe", 1), ("unet", "loopedbfs", 2)]),
-)
+#: (model, schedule, stages per rank): long skips (unet) and a tied embedding (transformer),
+#: under GPipe, 1F1B and looped BFS (breadth-first, two stages per rank).
+MESH_CASES = [
+    (name, schedule, spr)
+    for name in ("unet", "transformer")
+    for schedule, spr in (("gpipe", 1), ("1f1b", 1), ("loopedbfs", 2))
+]
+
+
+def _train_cases(
+    rank: int, world: int, *, cases: list[tuple[str, str, int]], **options: Any
+) -> list[dict[str, Any]]:
+    """:func:`_train` for each case in turn, in one launch of the ranks."""
+    return [
+        _train(rank, world, name=name, schedule=schedule, spr=spr, **options)
+        for name, schedule, spr in cases
+    ]
+
+
+@pytest.mark.parametrize("data_parallel", sweep(["fsdp", "ddp"]))
 def test_two_stages_by_two_replicas_match_eager_on_the_global_batch(
-    tmp_path: Path, name: str, schedule: str, spr: int
+    tmp_path: Path, data_parallel: str
 ) -> None:
-    """A 2 x 2 mesh: two pipeline replicas (DDP over "dp"), each fed half the batch; long
-    skips (unet), a tied embedding (transformer), two stages per rank (looped BFS)."""
-    runs = _launch(_train, 4, tmp_path, name=name, schedule=schedule, spr=spr, dp=2)
-    results = _results(runs)
-    per_rank = [tuple(range(j, 2 * spr, 2)) for j in range(2)]
-    assert [r["stages"] for r in results] == [per_rank[0], per_rank[0], per_rank[1], per_rank[1]]
-    assert [r["replica"] for r in results] == [0, 1, 0, 1]
-    _check_against_eager(name, results, replicas=2)
+    """A 2 x 2 mesh: two pipeline replicas (DDP, or FSDP2 shards, over "dp"), each fed half
+    the batch, for every case of MESH_CASES: losses and every gradient equal eager's."""
+    runs = _launch(_train_cases, 4, tmp_path, cases=MESH_CASES, dp=2, data_parallel=data_parallel)
+    for case, *per_case in zip(MESH_CASES, *_results(runs)):
+        name, _, spr = case
+        results = list(per_case)
+        per_rank = [tuple(range(j, 2 * spr, 2)) for j in range(2)]
+        stages = [per_rank[0], per_rank[0], per_rank[1], per_rank[1]]
+        assert [r["stages"] for r in results] == stages, case
+        assert [r["replica"] for r in results] == [0, 1, 0, 1], case
+        for r in results:  # FSDP: every parameter a DTensor shard; DDP: none
+            own = sorted(set(r["grads"]) | set(r["sharded"]))
+            assert r["sharded"] == (own if data_parallel == "fsdp" else []), (case, r["stages"])
+        _check_against_eager(name, results, replicas=2)
 
 
+@pytest.mark.parametrize("data_parallel", sweep(["fsdp", "ddp"]))
 def test_a_checkpoint_saved_at_two_by_two_resumes_at_four_by_one_and_in_eager(
-    tmp_path: Path,
+    tmp_path: Path, data_parallel: str
 ) -> None:
-    """torch.distributed.checkpoint writes one checkpoint for a 2 x 2 job; a 4 x 1 job and
+    """torch.distributed.checkpoint writes one checkpoint for a 2 x 2 job (DDP: each replica
+    holds every tensor; FSDP: each holds half of each, as DTensor shards); a 4 x 1 job and
     the unpipelined model read it back with identical tensors, and training resumes with
     the losses of an uninterrupted eager run (the optimizer's momentum included)."""
     import torch.distributed.checkpoint as dcp
 
     folder, other = tmp_path / "checkpoint", tmp_path / "other"
     dcp.save({"model": ResidualMLP().state_dict()}, checkpoint_id=str(other))
-    results = _results(_launch(_resume, 4, tmp_path, folder=str(folder), other=str(other)))
+    runs = _launch(
+        _resume, 4, tmp_path, folder=str(folder), other=str(other), data_parallel=data_parallel
+    )
+    results = _results(runs)
     for r in results:  # another model's checkpoint, and none at all: refused by each rank
         assert len(r["refused"]) == 2, r["refused"]
         assert "does not match stage(s)" in r["refused"][0] and "it lacks" in r["refused"][0]
@@ -617,22 +669,28 @@ def test_sync_tied_gradients_sums_copies(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path) -> None:
-    results = _results(_launch(_meta_model, 2, tmp_path))
-    eager, loss = _eager("mlp_residual")
+@pytest.mark.parametrize("dp", sweep([1, 2]))
+def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path, dp: int) -> None:
+    """On one pipeline, and (dp=2) on two FSDP replicas, each rank loading its shards."""
+    results = _results(_launch(_meta_model, 2 * dp, tmp_path, dp=dp))
+    eager, loss = _eager("mlp_residual", dp * BATCH)
     assert all(r["placed"] and r["released"] for r in results)
     assert all("lacks" in r["refused"] for r in results)
-    (rank_loss,) = [r["loss"] for r in results if r["loss"] is not None]
-    assert rank_loss == pytest.approx(loss, rel=1e-5)
+    rank_losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert len(rank_losses) == dp and sum(rank_losses) == pytest.approx(loss, rel=1e-5)
     expected = dict(eager.named_parameters())
     for r in results:
         for key, grad in r["grads"].items():
-            _close(grad, expected[key].grad, key)
-    merged = results[0]["merged"]
-    assert results[1]["merged"] is None
-    ZOO["mlp_residual"].build().load_state_dict(merged, strict=True)
-    for key, value in ZOO["mlp_residual"].build().state_dict().items():
-        assert torch.equal(merged[key], value), key
+            _close(grad, expected[key].grad / dp, key)
+    fresh = ZOO["mlp_residual"].build().state_dict()
+    for r in results:  # pipeline rank 0 of each replica (global ranks 0 .. dp - 1) merges
+        merged = r["merged"]
+        if r is results[0] or (dp > 1 and r is results[1]):
+            ZOO["mlp_residual"].build().load_state_dict(merged, strict=True)
+            for key, value in fresh.items():
+                assert torch.equal(merged[key], value), key
+        else:
+            assert merged is None
 
 
 @pytest.mark.slow
@@ -713,3 +771,22 @@ def test_without_a_process_group_names_the_remedy() -> None:
     build, args, _, loss_fn, _ = _problem("mlp_residual")
     with pytest.raises(ConfigError, match=r"init_process_group"):
         fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn)
+
+
+def test_fsdp_refuses_a_parameter_read_by_two_stages_of_one_rank() -> None:
+    """fully_shard wraps each stage alone: a Parameter two stages of one rank read (a tied
+    weight under a looped schedule) cannot be sharded for both; DDP, or other ranks, can."""
+    from dataclasses import replace
+
+    from fxpipe.distributed.mesh import Layout, check_sharding
+
+    shared = nn.Linear(2, 2)
+    stages = [nn.Sequential(shared), nn.Sequential(nn.Linear(2, 2)), nn.Sequential(shared)]
+    fsdp = Layout(None, dp_group=object(), dp_size=2, data_parallel="fsdp")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"stages 0 and 2, which are both on pipeline rank 0"):
+        check_sharding(fsdp, stages, (0, 1, 0))
+    with pytest.raises(ConfigError, match="data_parallel='ddp'"):
+        check_sharding(fsdp, stages, (0, 1, 0))
+    check_sharding(fsdp, stages, (0, 1, 2))  # on two ranks: each shards its own copy
+    check_sharding(replace(fsdp, data_parallel="ddp"), stages, (0, 1, 0))
+    check_sharding(replace(fsdp, dp_group=None), stages, (0, 1, 0))  # one replica: no FSDP

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
-from fxpipe.distributed.mesh import mesh_layout
+from fxpipe.distributed.mesh import check_sharding, mesh_layout
 from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
@@ -92,10 +92,13 @@ def pipeline_schedule(
     ``mesh``: a 2-D ``DeviceMesh`` with dimensions ``("pp", "dp")`` spanning every rank:
     each ``"dp"`` coordinate is one pipeline replica over its ``"pp"`` group (``group``
     is then not given), every replica makes the same plan, and each stage's replicas
-    average their gradients (``data_parallel="ddp"``: torch's DistributedDataParallel).
-    ``example_input`` and every step's batch are one replica's; with a mean-reduced loss
-    and ``scale_grads=True`` the gradients are those of the mean loss over the global
-    batch.
+    average their gradients: ``data_parallel="ddp"``, torch's DistributedDataParallel (each
+    replica holds its stages' whole parameters), or ``"fsdp"``, FSDP2's ``fully_shard``
+    (each holds a ``1 / dp`` shard of every parameter, a ``DTensor``; its optimizer steps
+    on the shards; the gathered parameters live from a step's first forward to its last
+    backward). ``example_input`` and every step's batch are one replica's; with a
+    mean-reduced loss and ``scale_grads=True`` the gradients are those of the mean loss
+    over the global batch.
 
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
@@ -134,7 +137,9 @@ def pipeline_schedule(
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
     metas = _stage_metas(model, program, values)
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
-    config = (kind, n_microbatches, stages_per_rank, scale_grads, _shapes(values))
+    ranks = _stage_ranks(world, total, v_shaped=kind in _V_SHAPED)
+    check_sharding(layout, program.modules, ranks)
+    config = (kind, n_microbatches, stages_per_rank, scale_grads, data_parallel, _shapes(values))
     _check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
         _check_agreement(plan, program, config, layout.dp_group, target)
@@ -144,7 +149,7 @@ def pipeline_schedule(
         program,
         compiled.traced.binder,
         metas,
-        _stage_ranks(world, total, v_shaped=kind in _V_SHAPED),
+        ranks,
         group,
         target,
         kind=kind,

@@ -2,14 +2,18 @@
 before any communication, and each stage module wrapped for data parallelism over ``"dp"``.
 
 Every pipeline replica (one ``"dp"`` coordinate) makes the same plan over its ``"pp"`` group;
-a stage's replicas average their gradients with torch's own ``DistributedDataParallel``,
-whose last-micro-batch synchronisation torch's ``PipelineStage`` drives (``no_sync`` for the
-others). Nothing here communicates by itself.
+a stage's replicas average their gradients with torch's own ``DistributedDataParallel``
+(``"ddp"``: each replica holds the stage's whole parameters) or FSDP2's ``fully_shard``
+(``"fsdp"``: each holds a ``1 / dp`` shard of every parameter, a ``DTensor``, gathered for
+the stage's micro-batches and released after the last backward). torch's ``PipelineStage``
+drives either: gradients are reduced once per step, after the last micro-batch's backward.
+Nothing here communicates by itself.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["DATA_PARALLEL", "Layout", "mesh_layout"]
+__all__ = ["DATA_PARALLEL", "Layout", "check_sharding", "mesh_layout"]
 
-#: ``data_parallel=`` values: torch's DDP over the ``"dp"`` group.
-DATA_PARALLEL = ("ddp",)
+#: ``data_parallel=`` values: torch's DDP, or FSDP2's ``fully_shard``, over the ``"dp"`` group.
+DATA_PARALLEL = ("ddp", "fsdp")
 #: Schedules that split backward into input and weight parts, which DDP's one hook per
 #: parameter does not follow.
 _SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
@@ -38,12 +42,25 @@ class Layout:
     pp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None = None
     dp_size: int = 1
+    data_parallel: str = "ddp"
+    dp_mesh: Any = None  # the 1-D "dp" DeviceMesh, for fully_shard
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stages' parameters are sharded over ``"dp"`` (FSDP2)."""
+        return self.dp_group is not None and self.data_parallel == "fsdp"
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
-        """``module`` as its stage's replicas train it: under DDP over ``"dp"``, else as is.
-        Buffers are not broadcast each forward (one collective per micro-batch): the
-        replicas start equal and update them alike."""
+        """``module`` as its stage's replicas train it: under DDP or ``fully_shard`` over
+        ``"dp"``, else as is. DDP does not broadcast buffers each forward (one collective
+        per micro-batch): the replicas start equal and update them alike. ``fully_shard``
+        keeps the gathered parameters from the first forward to the last backward of a step
+        (``reshard_after_forward=False``: one gather per step, not one per micro-batch)."""
         if self.dp_group is None:
+            return module
+        if self.data_parallel == "fsdp":
+            shard = _fully_shard()
+            shard(module, mesh=self.dp_mesh, reshard_after_forward=False)
             return module
         # newer torch spells broadcast_buffers=False as forward_sync_buffers=False
         newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
@@ -56,6 +73,25 @@ class Layout:
         )
 
 
+def check_sharding(layout: Layout, modules: Sequence[nn.Module], ranks: Sequence[int]) -> None:
+    """ConfigError when FSDP would shard one Parameter twice: read by two stages of one rank
+    (a tied weight under looped schedules), each of which ``fully_shard`` wraps alone. The
+    plan is the same on every rank, so every rank decides alike."""
+    if not layout.sharded:
+        return
+    first: dict[int, int] = {}
+    for j, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            k = first.setdefault(id(p), j)
+            if k != j and ranks[k] == ranks[j]:
+                raise ConfigError(
+                    f"parameter {name!r} is read by stages {k} and {j}, which are both on "
+                    f"pipeline rank {ranks[j]}; data_parallel='fsdp' shards each stage "
+                    "alone and cannot shard one Parameter for two of them: pass "
+                    "data_parallel='ddp', or stages_per_rank=1"
+                )
+
+
 def mesh_layout(
     mesh: Any, group: dist.ProcessGroup | None, data_parallel: str, schedule: str
 ) -> Layout:
@@ -65,8 +101,11 @@ def mesh_layout(
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(
             f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}; pass 'ddp' "
-            "(torch's DistributedDataParallel over the mesh's 'dp' dimension)"
+            "(torch's DistributedDataParallel over the mesh's 'dp' dimension) or 'fsdp' "
+            "(FSDP2's fully_shard over it)"
         )
+    if data_parallel == "fsdp":
+        _fully_shard()  # this torch has it
     if mesh is None:
         return Layout(group)
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,4 +142,17 @@ def mesh_layout(
         )
     dp = mesh["dp"]
     size = dp.size()
-    return Layout(mesh["pp"].get_group(), dp.get_group() if size > 1 else None, size)
+    group = dp.get_group() if size > 1 else None
+    return Layout(mesh["pp"].get_group(), group, size, data_parallel, dp)
+
+
+def _fully_shard() -> Any:
+    """FSDP2's ``fully_shard``; ConfigError on a torch without it."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        raise ConfigError(
+            f"data_parallel='fsdp' needs FSDP2's fully_shard (torch >= 2.6), which torch "
+            f"{torch.__version__} does not have; upgrade torch or pass data_parallel='ddp'"
+        ) from None
+    return fully_shard

@@ -95,6 +95,15 @@ class Ownership:
         ]
         self.released.clear()
 
+    def adopt(self, new: Mapping[int, torch.Tensor], roots: Iterable[nn.Module]) -> None:
+        """Put ``new[id(t)]`` (the DTensor Parameters ``fully_shard`` made) in place of the
+        kept tensors ``t``, here and in every module under ``roots``."""
+        _replace(roots, new)
+        self.tensors = {k: new.get(id(t), t) for k, t in self.tensors.items()}
+        self.replicated = [
+            (k, s, None if t is None else new.get(id(t), t)) for k, s, t in self.replicated
+        ]
+
     def load(self, full_state_dict: Mapping[str, torch.Tensor]) -> list[str]:
         """Copy the kept entries from a full state dict; returns the keys it lacks (and
         copies nothing then)."""
@@ -105,9 +114,26 @@ class Ownership:
         with torch.no_grad():
             for key, tensor in self.tensors.items():
                 if key in full_state_dict:
-                    tensor.copy_(full_state_dict[key])
+                    _copy_into(tensor, full_state_dict[key])
         self.uninitialised.clear()
         return []
+
+
+def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy ``full`` into ``tensor``, or into this rank's shard of it when it is a DTensor
+    (FSDP): the slice its placements give, with no communication."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        tensor.copy_(full)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        full.shape, tensor.device_mesh, tensor.placements
+    )
+    part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    tensor.to_local().copy_(part)
 
 
 def _like(t: torch.Tensor, device: Any) -> torch.Tensor:

@@ -70,10 +70,14 @@ class DistributedPipeline:
         self._own = Ownership(model, program, ranks, self.rank)
         self._own.place(device, [model, plan.graph_module, *program.modules])
         copies = kind in SPLIT_BACKWARD
+        slots = _parameter_slots(self.stage_modules)
         self.stages = tuple(
             self._stage(program, binder if j == 0 else None, metas[j], j, copies)
             for j in self.stage_indices
         )
+        if self.layout.sharded:  # fully_shard put DTensor Parameters in the stage modules
+            sharded = {id(old): getattr(module, name) for module, name, old in slots}
+            self._own.adopt(sharded, [model, plan.graph_module, *program.modules])
         loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output)
         cls = get_schedule_class(kind)
         single = issubclass(cls, PipelineScheduleSingle)
@@ -202,7 +206,7 @@ class DistributedPipeline:
 
         A collective: call it on every rank.
         """
-        shard = {k: t.cpu() for k, t in self.state_dict().items()}
+        shard = {k: _full(t).cpu() for k, t in self.state_dict().items()}
         shards: list[Any] | None = [None] * self.world_size if self.rank == dst else None
         root = dst if self.group is None else dist.get_global_rank(self.group, dst)
         dist.gather_object(shard, shards, dst=root, group=self.group)
@@ -229,15 +233,32 @@ class DistributedPipeline:
         grads = []
         for _, shape, t in self._own.replicated:
             g = None if t is None else t.grad
-            grads.append(torch.zeros(shape, device=comm) if g is None else g.to(comm))
+            if g is None:  # under FSDP, this replica's shard of it
+                grads.append(torch.zeros(self._local_shape(shape), device=comm))
+            else:
+                grads.append(_local(g).to(comm))
         # float64 for the sum, so that every dtype comes back as exact as it can be.
         flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads])
         dist.all_reduce(flat, group=self.group)
         offset = 0
-        for (_, shape, t), g in zip(self._own.replicated, grads):
+        for (_, _, t), g in zip(self._own.replicated, grads):
             if t is not None:
-                t.grad = flat[offset : offset + g.numel()].view(shape).to(t.device, t.dtype)
+                total = flat[offset : offset + g.numel()].view(g.shape)
+                if t.grad is None:
+                    t.grad = _like_param(t, total)
+                else:
+                    _local(t.grad).copy_(total)
             offset += g.numel()
+
+    def _local_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        """This rank's part of a parameter of ``shape``: all of it, or its FSDP shard."""
+        if not self.layout.sharded:
+            return tuple(shape)
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local, _ = compute_local_shape_and_global_offset(shape, self.layout.dp_mesh, [Shard(0)])
+        return tuple(local)
 
     def unflatten_output(self, output: Any) -> Any:
         """The last stage's flat output (as ``schedule.step`` merges it) in the model's
@@ -326,6 +347,52 @@ class _StageModule(nn.Module):
             return tuple(t.clone() if self._copies else t.contiguous() for t in out)
         picked = tuple(out[i].view_as(out[i]) if self._copies else out[i] for i in self._take)
         return picked[0] if len(picked) == 1 else picked
+
+
+def _parameter_slots(modules: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """``(module, name, Parameter)`` for every Parameter entry of the modules' trees."""
+    seen: set[int] = set()
+    slots = []
+    for root in modules:
+        for module in root.modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                slots += [(module, n, p) for n, p in module._parameters.items() if p is not None]
+    return slots
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP), or ``t`` itself."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a DTensor (a collective over its mesh), or ``t`` itself."""
+    return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's part) as a gradient of ``param``: a DTensor like it under FSDP."""
+    local = local.to(_local(param).device, param.dtype)
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    spec = param  # a DTensor: same mesh, placements and global shape
+    return DTensor.from_local(
+        local,
+        spec.device_mesh,  # type: ignore[attr-defined]
+        spec.placements,  # type: ignore[attr-defined]
+        shape=spec.shape,
+        stride=spec.stride(),
+        run_check=False,
+    )
 
 
 class _ContiguousGrad(torch.autograd.Function):
