@@ -410,12 +410,12 @@ def test_the_slack_never_costs_bytes_against_a_min_max_split_of_the_fx_order(nam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(0, 150, 5))
+@pytest.mark.parametrize("seed", range(0, 100, 5))
 def test_fallback_within_slack_never_sends_more_than_a_min_max_split_of_the_fx_order(
     seed: int,
 ) -> None:
-    """The same on random DAGs, on the order path: before it priced every order's splits, 6
-    of the first 360 such graphs (K = 2, 3, 4, 6) sent more within the slack than the fx
+    """The same on 100 random DAGs, on the order path: before it priced every order's splits,
+    6 of the first 360 such graphs (K = 2, 3, 4, 6) sent more within the slack than the fx
     order's split."""
     for s in range(seed, seed + 5):
         rng = random.Random(s)
