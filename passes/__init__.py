@@ -6,10 +6,11 @@ Installed as ``fxpipe.passes``; import it only under that name. In order:
 2. ``nx_graph.to_networkx(gm, costs) -> nx.DiGraph``: node weight = cost, edge = bytes.
 3. ``units.build_units(g) -> Units``: groups that no stage border may split.
 4. ``partition.partition_graph(g, num_stages, *, slack) -> Partition``: the split
-   (``ideals`` is the exact search for small graphs, ``dp`` the exact split of one order,
-   ``windows`` the coarse DAG on which the order search's borders are placed exactly;
-   ``fit`` and ``budgeted`` add device speeds and memory budgets, ``memory`` prices a
-   stage's training memory inside the search).
+   (``ideal_search`` is the exact search for small graphs, on the ideal-lattice DP of
+   ``ideals``; ``order_search`` splits candidate orders exactly with ``dp``, refines them
+   and re-places their borders on the coarse DAG of ``windows``; ``objective`` counts the
+   bottleneck and the bytes sent; ``fit`` and ``budgeted`` add device speeds and memory
+   budgets, ``memory`` prices a stage's training memory inside the search).
 5. ``plan.build_plan(gm, costs, g, partition, devices, *, chunks) -> PipelinePlan``.
 6. ``split_stages.split_stages(plan, output_spec, *, traffic) -> StageProgram``: codegen
    (``placement`` points each stage's device constants, which ``torch.export`` records, at

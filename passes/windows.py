@@ -5,7 +5,8 @@ split. Its borders can still be placed exactly within *windows*: the last units 
 stage and the first units of the next stay free, and the rest of each stage (its interior,
 which is convex, so contracting it keeps the DAG acyclic) becomes one unit. Every split of
 the coarse DAG is a valid split of the fine one, and the split it was built from is among
-them, so the exact search on it can only do better.
+them, so the exact search on it can only do better. :func:`coarsen_values` maps the values
+the search reads onto the coarse units.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import networkx as nx
 import numpy as np
 
 from fxpipe.passes.ideals import enumerate_ideals
+from fxpipe.passes.memory import FIRST_READER, Entering
 from fxpipe.passes.units import Units
 
-__all__ = ["coarsen_near_borders"]
+__all__ = ["coarsen_near_borders", "coarsen_values"]
 
 
 def coarsen_near_borders(
@@ -105,3 +107,16 @@ def _coarse_units(units: Units, of_unit: np.ndarray, dag: nx.DiGraph) -> Units:
         weight=np.bincount(of_unit, weights=units.weight, minlength=count),
         pinned_first=frozenset(int(of_unit[u]) for u in units.pinned_first),
     )
+
+
+def coarsen_values(values: list[Entering], of_unit: np.ndarray) -> list[Entering]:
+    """``values`` seen on coarse units (``of_unit[u]``: the coarse unit of fine unit u): what
+    :func:`fxpipe.passes.partition._values` returns for them, without walking the graph again."""
+    out = []
+    for v in values:
+        producer = v.producer if v.producer < 0 else int(of_unit[v.producer])
+        others = sorted({int(of_unit[r]) for r in v.readers} - {producer})
+        lone_attr = producer == FIRST_READER and len(others) < 2
+        if (others or v.to_output) and not lone_attr:
+            out.append(Entering(v.bytes, producer, tuple(others), v.to_output, v.batched))
+    return out

@@ -29,10 +29,10 @@ from fxpipe.passes.fit import order_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_stages
 from fxpipe.passes.memory import MemoryModel, memory_model, unit_memory
 from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.order_search import candidate_orders
 from fxpipe.passes.partition import (
     Partition,
     _values,
-    candidate_orders,
     partition_graph,
 )
 from fxpipe.passes.plan import build_plan

@@ -29,9 +29,9 @@ from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.dp import min_max_split
 from fxpipe.passes.ideals import enumerate_ideals
 from fxpipe.passes.nx_graph import to_networkx
+from fxpipe.passes.order_search import candidate_orders
 from fxpipe.passes.partition import (
     EXACT_LIMIT,
-    candidate_orders,
     node_stages,
     partition_graph,
 )

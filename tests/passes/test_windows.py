@@ -15,7 +15,7 @@ from fxpipe.passes.dp import min_max_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
 from fxpipe.passes.partition import EXACT_LIMIT, partition_graph
 from fxpipe.passes.units import Units, build_units
-from fxpipe.passes.windows import coarsen_near_borders
+from fxpipe.passes.windows import coarsen_near_borders, coarsen_values
 
 CASES = [(seed, 6 + seed % 20, (2, 3, 4, 6)[seed % 4]) for seed in range(40)]
 
@@ -110,14 +110,14 @@ def test_windows_again_around_the_new_borders_only_improve(
 ) -> None:
     """Windows re-placed around the borders the last windows found: never worse than one
     round of windows, and better on some random graphs."""
-    import fxpipe.passes.partition as partition
+    import fxpipe.passes.order_search as order_search
 
-    rounds: dict[int, list[float]] = {1: [], partition.WINDOW_ROUNDS: []}
+    rounds: dict[int, list[float]] = {1: [], order_search.WINDOW_ROUNDS: []}
     for seed in range(40):
         for n, k in ((30, 4), (40, 6)):
             g = _weighted_dag(seed, n)
             for count in rounds:
-                monkeypatch.setattr(partition, "WINDOW_ROUNDS", count)
+                monkeypatch.setattr(order_search, "WINDOW_ROUNDS", count)
                 part = partition_graph(g, k, exact_limit=0, window_limit=150)
                 check_valid(g, part.stage_of, k)
                 rounds[count].append(part.bottleneck)
@@ -144,5 +144,5 @@ def test_values_mapped_onto_coarse_units_equal_values_read_from_the_graph(seed: 
                 fine = partition._values(g, units, traffic)
                 for width in (1, 3):
                     coarse, of_unit = coarsen(units, stage, k, width)
-                    mapped = partition._coarse_values(fine, of_unit)
+                    mapped = coarsen_values(fine, of_unit)
                     assert key(mapped) == key(partition._values(g, coarse, traffic))

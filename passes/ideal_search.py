@@ -1,0 +1,129 @@
+"""The partitioner's exact search on the ideals: the least bottleneck, then the fewest bytes."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+
+from fxpipe.ir import Traffic
+from fxpipe.passes.fit import StageFit
+from fxpipe.passes.ideals import ideal_split, ideal_stages
+from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering
+from fxpipe.passes.objective import Pick
+from fxpipe.passes.units import Units
+
+__all__ = ["search_on_ideals", "fewest_bytes_on_ideals"]
+
+
+def search_on_ideals(
+    units: Units,
+    values: list[Entering],
+    ideals: np.ndarray,
+    k: int,
+    traffic: Traffic,
+    fit: StageFit,
+) -> tuple[float, Pick]:
+    """The exact best bottleneck over every convex split that ``fit`` allows, and the
+    fewest-bytes pick."""
+    allowed = fit.allowed_on(ideals)
+    best, _ = ideal_split(
+        ideals,
+        units.weight,
+        k,
+        required_first=sorted(units.pinned_first),
+        speeds=fit.speeds,
+        allowed=allowed,
+    )
+
+    def pick(cap: float) -> tuple[np.ndarray, str]:
+        chosen = fewest_bytes_on_ideals(units, values, ideals, k, cap, traffic, fit, allowed)
+        return chosen, "ideals"
+
+    return best, pick
+
+
+def fewest_bytes_on_ideals(
+    units: Units,
+    values: list[Entering],
+    ideals: np.ndarray,
+    k: int,
+    cap: float,
+    traffic: Traffic,
+    fit: StageFit,
+    allowed: Callable[[int], np.ndarray] | None = None,
+) -> np.ndarray:
+    """The unit stages of the split that sends the fewest bytes with every stage <= cap
+    (``allowed``: the memory masks of ``fit`` on these ideals, when already made)."""
+    if traffic == "relay":
+        priced = _bytes_leaving(ideals, values)
+    else:
+        priced = _bytes_entering(ideals, values)
+    total = float(units.weight.sum())
+    if fit.speeds is not None:
+        total /= float(fit.speeds.min())  # the times sum to at most this
+    _, rows = ideal_split(
+        ideals,
+        units.weight,
+        k,
+        required_first=sorted(units.pinned_first),
+        border_bytes=priced,
+        cap=cap,
+        balance=_tie_break(total),
+        speeds=fit.speeds,
+        allowed=allowed if allowed is not None else fit.allowed_on(ideals),
+    )
+    stages: np.ndarray = ideal_stages(ideals, rows)
+    return stages
+
+
+def _made_in(ideals: np.ndarray, v: Entering) -> np.ndarray:
+    """Which ideals hold the stage that makes ``v``."""
+    if v.producer == MODEL_INPUT:
+        return np.ones(len(ideals), dtype=bool)
+    if v.producer == FIRST_READER:
+        return np.asarray(ideals[:, list(v.readers)].any(axis=1))
+    return np.asarray(ideals[:, v.producer])
+
+
+def _bytes_leaving(ideals: np.ndarray, values: list[Entering]) -> np.ndarray:
+    """Relay traffic: ``out[J]``, the bytes of values made in ideal J and read outside it."""
+    leaving = np.zeros(len(ideals))
+    for v in values:
+        made = _made_in(ideals, v)
+        read_outside = ~ideals[:, list(v.readers)].all(axis=1) if v.readers else False
+        leaving += v.bytes * (made & (read_outside | v.to_output))
+    return leaving
+
+
+def _bytes_entering(ideals: np.ndarray, values: list[Entering]) -> np.ndarray:
+    """Direct traffic: ``out[I, J]``, the bytes stage ``I - J`` receives, i.e. of the values
+    made in J with a reader in ``I - J`` (each once, however many readers it has there).
+
+    With ``c(I)`` the number of v's readers in ideal I (the output counts as a reader in the
+    full ideal only), v enters ``I - J`` exactly when ``c(I) > c(J)``, which is the sum over
+    ``c < m`` of ``[c(J) = c] [c(I) > c]`` for m readers: rank-one terms, so the whole table
+    is one matrix product over (value, c) columns."""
+    count = len(ideals)
+    last = np.zeros(count, dtype=np.int64)
+    last[-1] = 1  # rows are ordered by size: the last one is the full ideal
+    grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
+    for v in values:
+        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
+    receives, sends = [], []
+    for (producer, units_reading, to_output), size in grouped.items():
+        made = _made_in(ideals, Entering(0, producer, units_reading, to_output))
+        inside = ideals[:, list(units_reading)].sum(axis=1) + (last if to_output else 0)
+        for c in range(len(units_reading) + to_output):
+            receives.append(inside > c)
+            sends.append(size * (made & (inside == c)))
+    if not receives:
+        return np.zeros((count, count))
+    return np.asarray(np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T)
+
+
+def _tie_break(total: float) -> float:
+    """The per-stage ``cost**2`` weight that ranks splits sending the same bytes by their
+    evenness and never outweighs one byte: the squares sum to at most ``total**2``."""
+    return 0.25 / total**2 if total > 0 else 0.0
