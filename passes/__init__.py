@@ -10,7 +10,8 @@ Installed as ``fxpipe.passes``; import it only under that name. In order:
    ``ideals``; ``order_search`` splits candidate orders exactly with ``dp``, refines them
    and re-places their borders on the coarse DAG of ``windows``; ``objective`` counts the
    bottleneck and the bytes sent; ``fit`` and ``budgeted`` add device speeds and memory
-   budgets, ``memory`` prices a stage's training memory inside the search).
+   budgets, ``memory`` models a stage's training memory and ``memory_tables`` prices it
+   inside the search).
 5. ``plan.build_plan(gm, costs, g, partition, devices, *, chunks) -> PipelinePlan``.
 6. ``split_stages.split_stages(plan, output_spec, *, traffic) -> StageProgram``: codegen
    (``placement`` points each stage's device constants, which ``torch.export`` records, at

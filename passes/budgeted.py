@@ -49,7 +49,8 @@ import numpy as np
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.passes.fit import StageFit
-from fxpipe.passes.memory import ESTIMATE, Entering, MemoryModel, UnitMemory, unit_memory
+from fxpipe.passes.memory import ESTIMATE, Entering, MemoryModel
+from fxpipe.passes.memory_tables import UnitMemory, unit_memory
 from fxpipe.passes.units import Units
 
 __all__ = ["Found", "Search", "fit_budgets"]

@@ -27,7 +27,8 @@ from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.dp import min_bytes_split, min_max_split
 from fxpipe.passes.fit import order_split
 from fxpipe.passes.ideals import enumerate_ideals, ideal_stages
-from fxpipe.passes.memory import MemoryModel, memory_model, unit_memory
+from fxpipe.passes.memory import MemoryModel, memory_model
+from fxpipe.passes.memory_tables import unit_memory
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.order_search import candidate_orders
 from fxpipe.passes.partition import (
