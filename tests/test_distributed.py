@@ -311,9 +311,12 @@ def _resume(
     return saved
 
 
-def _fail(rank: int, world: int, *, bad_rank: int, dp: int = 1) -> dict[str, Any]:
+def _fail(
+    rank: int, world: int, *, bad_rank: int, dp: int = 1, data_parallel: str = "ddp"
+) -> dict[str, Any]:
     """Rank ``bad_rank``'s stage raises in its forward on the second step (with ``dp``: in
-    one replica of a (world / dp) x dp mesh, whose other replica waits on it in DDP)."""
+    one replica of a (world / dp) x dp mesh, whose other replica waits on it in DDP or
+    FSDP)."""
     build, args, kwargs, loss_fn, target = _problem("mlp_residual", dp * BATCH)
     mesh = None
     if dp > 1:
@@ -322,7 +325,9 @@ def _fail(rank: int, world: int, *, bad_rank: int, dp: int = 1) -> dict[str, Any
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
         replica = mesh.get_local_rank("dp")
         args, target = (args[0].chunk(dp)[replica],), target.chunk(dp)[replica]
-    pipe = fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn, mesh=mesh)
+    pipe = fd.pipeline_schedule(
+        build(), args, n_microbatches=N_MB, loss_fn=loss_fn, mesh=mesh, data_parallel=data_parallel
+    )
     calls = []
 
     def boom(*_: Any) -> None:
@@ -694,10 +699,16 @@ def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path, dp: int) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, dp", sweep([(3, 1), (4, 2)]))
-def test_failing_rank_stops_every_rank(tmp_path: Path, world: int, dp: int) -> None:
+@pytest.mark.parametrize(
+    "world, dp, data_parallel", sweep([(3, 1, "ddp"), (4, 2, "ddp"), (4, 2, "fsdp")])
+)
+def test_failing_rank_stops_every_rank(
+    tmp_path: Path, world: int, dp: int, data_parallel: str
+) -> None:
     start = time.monotonic()
-    runs = _launch(_fail, world, tmp_path, bad_rank=1, pg_timeout=15, dp=dp)
+    runs = _launch(
+        _fail, world, tmp_path, bad_rank=1, pg_timeout=15, dp=dp, data_parallel=data_parallel
+    )
     assert time.monotonic() - start < TIME_LIMIT
     assert all(code != 0 for code, _ in runs), [code for code, _ in runs]
     assert all(res is not None and "error" in res for _, res in runs)

@@ -98,6 +98,7 @@ class DistributedPipeline:
             take = tuple(names.index(x.name) for x in self._leaves if isinstance(x, ValueRef))
             outputs = tuple(outputs[i] for i in take)
         module = _StageModule(program.modules[j], binder, take, copies)
+        module.no_views = self.layout.sharded
         stage = _Stage(
             self.layout.wrap(module, self.device),
             j,
@@ -336,6 +337,9 @@ class _StageModule(nn.Module):
         # leaves attached). They also send input gradients as autograd computes them, which
         # may be strided: make those contiguous.
         self._copies = copies
+        # Under FSDP, outputs that are views are copied: FSDP's pre-backward hook on an
+        # output would be lost to an in-place write through a view of it.
+        self.no_views = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._binder is not None:
@@ -343,6 +347,8 @@ class _StageModule(nn.Module):
         elif self._copies:
             args = tuple(_contiguous_grad(a) if a.requires_grad else a for a in args)
         out = self.stage(*args)
+        if self.no_views:
+            out = tuple(t.clone() if t._is_view() else t for t in out)
         if self._take is None:
             return tuple(t.clone() if self._copies else t.contiguous() for t in out)
         picked = tuple(out[i].view_as(out[i]) if self._copies else out[i] for i in self._take)
