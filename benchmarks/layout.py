@@ -5,7 +5,7 @@ Run from the repository root (transformers is in the ``test`` extra)::
 
     python benchmarks/layout.py [--out PATH] [--worlds 8 64 128 512] [--batch 512]
                                 [--tokens 2048] [--budget 80GiB] [--slack 0.01] [--top 8]
-                                [--compare 64]
+                                [--compare 64] [--data-parallel ddp fsdp]
 
 The global batch defaults to 512 sequences of 2,048 tokens, the batch and sequence length
 of the 7.5B GPT in Narayanan et al. 2021's Table 1 (h = 4096 like Llama-7B's; 36 layers
@@ -14,6 +14,8 @@ is float32 as ``hf_plan.py`` builds it (16 bytes of weights, gradients and Adam 
 parameter, as mixed precision with Adam takes too; activations twice bf16's). Each world
 size gets one ``suggest_layout`` call (trace and pricing included) at ``--slack``; those in
 ``--compare`` one more at slack 0, fxpipe's default, whose best layout is printed too.
+Replicas share their gradients both ways ``fd.pipeline_schedule`` offers, DDP and FSDP
+(``--data-parallel``), each layout with replicas ranked once per way.
 """
 
 from __future__ import annotations
@@ -49,27 +51,41 @@ KEPT = 30
 
 
 def run_world(
-    model: torch.nn.Module, ids: torch.Tensor, world: int, budget: str, slack: float
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    world: int,
+    budget: str,
+    slack: float,
+    data_parallel: Sequence[str],
 ) -> tuple[list[fd.LayoutEstimate], float]:
     started = time.perf_counter()
-    layouts = fd.suggest_layout(model, ids, world, max_memory=budget, slack=slack)
+    layouts = fd.suggest_layout(
+        model, ids, world, max_memory=budget, slack=slack, data_parallel=data_parallel
+    )
     return layouts, time.perf_counter() - started
+
+
+def _name(e: fd.LayoutEstimate) -> str:
+    replicas = f" {e.data_parallel}" if e.dp > 1 else ""
+    return f"pp={e.pp} dp={e.dp} v={e.virtual} m={e.chunks} {e.schedule}{replicas}"
 
 
 def summary(world: int, layouts: Sequence[fd.LayoutEstimate], seconds: float) -> str:
     fits = [e for e in layouts if e.fits]
-    plain = min((e for e in layouts if e.pp == 1), key=lambda e: e.memory_bytes, default=None)
     least = min(layouts, key=lambda e: e.memory_bytes)
     lines = [
         f"world {world}: {len(layouts)} layouts, {len(fits)} fit; {seconds:.1f} s "
         "(trace, price, every split)",
-        f"  least memory: pp={least.pp} dp={least.dp} v={least.virtual} m={least.chunks} "
-        f"{least.schedule}, {least.memory_bytes / GIB:.1f} GiB per rank",
+        f"  least memory: {_name(least)}, {least.memory_bytes / GIB:.1f} GiB per rank",
     ]
-    if plain is not None:
+    for kind in dict.fromkeys(e.data_parallel for e in layouts if e.pp == 1):
+        plain = min(
+            (e for e in layouts if e.pp == 1 and e.data_parallel == kind),
+            key=lambda e: e.memory_bytes,
+        )
         lines.append(
-            f"  data parallel alone (pp=1): {plain.memory_bytes / GIB:.1f} GiB per rank, "
-            f"{'fits' if plain.fits else 'does not fit'}"
+            f"  data parallel alone (pp=1, {kind}): {plain.memory_bytes / GIB:.1f} GiB per "
+            f"rank, {'fits' if plain.fits else 'does not fit'}"
         )
     return "\n".join(lines)
 
@@ -77,8 +93,8 @@ def summary(world: int, layouts: Sequence[fd.LayoutEstimate], seconds: float) ->
 def best_line(slack: float, layouts: Sequence[fd.LayoutEstimate]) -> str:
     best = layouts[0]
     return (
-        f"  best at slack {slack:g}: pp={best.pp} dp={best.dp} v={best.virtual} "
-        f"m={best.chunks} {best.schedule}: step {best.step_s:.2f} s (p2p {best.p2p_s:.2f} s), "
+        f"  best at slack {slack:g}: {_name(best)}: step {best.step_s:.2f} s (p2p "
+        f"{best.p2p_s:.2f} s), "
         f"{best.memory_bytes / GIB:.1f} GiB, {'fits' if best.fits else 'does not fit'}"
     )
 
@@ -100,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--compare", type=int, nargs="*", default=[64], help="world sizes also run at slack 0"
     )
+    parser.add_argument(
+        "--data-parallel", nargs="*", default=["ddp", "fsdp"], help="how replicas share"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -120,12 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{DEFAULT_DEVICE_FLOPS / 1e12:.0f} TFLOP/s per rank; p2p "
         f"{DEFAULT_LINK_BANDWIDTH / 1e9:.0f} GB/s, all-reduce "
         f"{DEFAULT_DP_BANDWIDTH / 1e9:.0f} GB/s per rank; schedules 1F1B and "
-        f"interleaved 1F1B (v = 2, 4); no activation checkpointing; slack {args.slack:g}.\n",
+        f"interleaved 1F1B (v = 2, 4); replicas by {' and '.join(args.data_parallel)}; no "
+        f"activation checkpointing; slack {args.slack:g}.\n",
         flush=True,
     )
     worlds: list[dict[str, Any]] = []
     for world in args.worlds:
-        layouts, seconds = run_world(model, ids, world, args.budget, args.slack)
+        layouts, seconds = run_world(
+            model, ids, world, args.budget, args.slack, args.data_parallel
+        )
         row: dict[str, Any] = {
             "world": world,
             "slack": args.slack,
@@ -136,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         print(summary(world, layouts, seconds))
         if world in args.compare:
-            default, row["default_slack_seconds"] = run_world(model, ids, world, args.budget, 0.0)
+            default, row["default_slack_seconds"] = run_world(
+                model, ids, world, args.budget, 0.0, args.data_parallel
+            )
             row["default_slack_rows"] = [asdict(e) for e in default[:KEPT]]
             print(best_line(0.0, default))
         print(format_layouts(layouts, args.top), end="\n\n", flush=True)

@@ -140,6 +140,27 @@ def test_schedules_hold_the_micro_batches_they_keep_in_flight() -> None:
                 assert inter.step_s == pytest.approx(e.step_s)
 
 
+def test_fsdp_shards_weights_gradients_and_adam_state_over_the_replicas() -> None:
+    """FSDP's twin of every layout with replicas: the same step (its gather and
+    reduce-scatter move what DDP's all-reduce moves), less memory; with one stage per rank
+    (pp = 1), (4 + 1) - (2 + 4 / dp) parameter copies less, exactly."""
+    x = torch.randn(BATCH, 32)
+    both = fd.suggest_layout(_mlp(), x, WORLD, schedules=ALL, data_parallel=("ddp", "fsdp"))
+    assert len({e.data_parallel for e in both if e.dp == 1}) == 1  # no replicas, no twin
+    by_key = {(e.pp, e.dp, e.virtual, e.chunks, e.schedule, e.data_parallel): e for e in both}
+    ddp_only = {(e.pp, e.dp, e.virtual, e.chunks, e.schedule) for e in _layouts()}
+    assert {k[:5] for k in by_key} == ddp_only
+    params = sum(p.numel() * p.element_size() for p in _mlp().parameters())
+    twins = [(e, by_key[(*k[:5], "ddp")]) for k, e in by_key.items() if k[5] == "fsdp"]
+    assert twins and all(f.dp > 1 for f, _ in twins)
+    for fsdp, ddp in twins:
+        assert fsdp.step_s == ddp.step_s and fsdp.allreduce_s == ddp.allreduce_s
+        assert fsdp.memory_bytes < ddp.memory_bytes
+        if fsdp.pp == 1:
+            saved = (3 - 4 / fsdp.dp) * params
+            assert ddp.memory_bytes - fsdp.memory_bytes == pytest.approx(saved, abs=2)
+
+
 def test_a_model_built_on_meta_is_ranked_like_the_real_one() -> None:
     x = torch.randn(BATCH, 32)
     with torch.device("meta"):
@@ -183,6 +204,7 @@ def test_roofline_prices_with_keyword_inputs() -> None:
         ({"cost": "params"}, "cost='params'"),
         ({"checkpoint": "sometimes"}, "checkpoint='sometimes'"),
         ({"slack": -1}, "slack=-1"),
+        ({"data_parallel": "zero3"}, "data_parallel='zero3'"),
     ],
 )
 def test_bad_options_are_refused_naming_the_value(options: dict[str, object], named: str) -> None:

@@ -39,7 +39,13 @@ Memory per rank, in training: :func:`fxpipe.passes.plan.stage_memory` of each of
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
 stage keeps for backward), its activations scaled to the micro-batches in flight at the
 rank's peak, plus one more copy of the gradients when ``dp > 1`` (DDP's buckets: torch's
-``gradient_as_bucket_view=False`` default). In flight: all ``m`` for GPipe; ``min(m, pp - r)``
+``gradient_as_bucket_view=False`` default). With ``data_parallel="fsdp"`` (FSDP2, as
+``fd.pipeline_schedule`` runs it: gathered from a step's first forward to its last
+backward) a rank holds its stages' whole weights and gradients while the step runs, and
+``1 / dp`` of the weights, gradients and Adam moments in between: ``2 + 4 / dp`` copies of
+the parameters instead of DDP's ``4 + 1``. Its gather of the weights and reduce-scatter of
+the gradients move what DDP's all-reduce moves, ``2 (dp - 1) / dp`` of the gradients,
+priced alike. In flight: all ``m`` for GPipe; ``min(m, pp - r)``
 for 1F1B ("activations to be stashed for p or fewer microbatches", ibid.); for interleaved
 1F1B torch's warm-up count plus one, ``(v - 1) * (m // rounds) + 2 (pp - 1 - r) + 1`` stage
 passes (at most ``m v``), spread evenly over the rank's stages and rounded up to whole
@@ -143,6 +149,9 @@ class LayoutEstimate:
     fits: bool
     #: Forward + backward seconds of one micro-batch on each pipeline rank (its stages summed).
     rank_s: tuple[float, ...]
+    #: How the replicas share a stage's gradients: ``"ddp"`` (each holds every parameter;
+    #: also the value when ``dp == 1``) or ``"fsdp"`` (each holds a ``1 / dp`` shard).
+    data_parallel: str = "ddp"
 
     @property
     def stages(self) -> int:
@@ -187,6 +196,7 @@ def suggest_layout(
     tracer: str = "auto",
     schedules: Sequence[str] = ("1f1b", "interleaved1f1b"),
     virtual: Sequence[int] = (2, 4),
+    data_parallel: str | Sequence[str] = ("ddp",),
     chunks: int | Sequence[int] | None = None,
     checkpoint: CheckpointMode = "never",
     slack: float = 0.0,
@@ -210,6 +220,8 @@ def suggest_layout(
             (profiled on ``device``, which must be here; not for a model on ``meta``).
         schedules: names from :data:`LAYOUT_SCHEDULES`; the looped ones (interleaved 1F1B,
             looped BFS) are tried with each of ``virtual`` stages per rank, 2 or more.
+        data_parallel: ``"ddp"``, ``"fsdp"`` or both: how the replicas of layouts with
+            ``dp > 1`` share the gradients, as ``fd.pipeline_schedule`` takes it.
         chunks: micro-batch counts per replica to try (default: every count that divides a
             replica's rows); counts that do not divide them are left out.
         checkpoint: which micro-batches keep only their stage inputs (memory only; the
@@ -236,6 +248,7 @@ def suggest_layout(
     """
     _check_world(world_size)
     names = _schedules(schedules)
+    kinds = _data_parallel(data_parallel)
     loops = _counts("virtual", virtual, least=2)
     wanted = None if chunks is None else _counts("chunks", chunks, least=1)
     check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
@@ -260,8 +273,10 @@ def suggest_layout(
         if k not in splits:
             splits[k] = _split(priced, k, checkpoint, slack)
         found = splits[k]
-        if found is not None:
-            out.append(_estimate(found, priced, (pp, dp, v, m), schedule, checkpoint, rates))
+        for kind in kinds if dp > 1 else ("ddp",):
+            if found is not None:
+                shape = (pp, dp, v, m)
+                out.append(_estimate(found, priced, shape, schedule, checkpoint, rates, kind))
     if not out:
         raise ConfigError(_none_found(world_size, priced.batch, splits, chunks))
     return _ranked(out, budget)
@@ -271,12 +286,13 @@ def format_layouts(layouts: Iterable[LayoutEstimate], limit: int | None = None) 
     """A table a person reads: one row per layout, in the order given (``limit``: the first
     ``limit`` rows only)."""
     rows = list(layouts)[:limit]
-    head = ("pp", "dp", "v", "m", "rows", "schedule", "step", "compute", "bubble", "p2p",
-            "allreduce", "memory/rank", "fits")  # fmt: skip
+    head = ("pp", "dp", "v", "m", "rows", "schedule", "replicas", "step", "compute", "bubble",
+            "p2p", "allreduce", "memory/rank", "fits")  # fmt: skip
     body = [
         (str(e.pp), str(e.dp), str(e.virtual), str(e.chunks), str(e.micro_batch), e.schedule,
-         _seconds(e.step_s), _seconds(e.compute_s), f"{e.bubble:.1%}", _seconds(e.p2p_s),
-         _seconds(e.allreduce_s), _bytes(e.memory_bytes), "yes" if e.fits else "no")
+         e.data_parallel if e.dp > 1 else "-", _seconds(e.step_s), _seconds(e.compute_s),
+         f"{e.bubble:.1%}", _seconds(e.p2p_s), _seconds(e.allreduce_s),
+         _bytes(e.memory_bytes), "yes" if e.fits else "no")
         for e in rows
     ]  # fmt: skip
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
@@ -328,6 +344,20 @@ def _schedules(schedules: Any) -> tuple[str, ...]:
             + "; the zero-bubble schedules split backward in two and are not ranked"
         )
     return tuple(dict.fromkeys(names))
+
+
+def _data_parallel(value: Any) -> tuple[str, ...]:
+    from fxpipe.distributed.mesh import DATA_PARALLEL
+
+    items = _items(value)
+    kinds = tuple(dict.fromkeys(str(k).lower() for k in items))
+    bad = [k for k in kinds if k not in DATA_PARALLEL]
+    if bad or not kinds:
+        raise ConfigError(
+            f"data_parallel={value!r} must name one or more of {DATA_PARALLEL}"
+            + (f" ({bad[0]!r} is not one)" if bad else "")
+        )
+    return kinds
 
 
 def _counts(name: str, value: Any, *, least: int) -> tuple[int, ...]:
@@ -462,6 +492,7 @@ def _estimate(
     schedule: str,
     checkpoint: str,
     rates: tuple[float, float],
+    data_parallel: str = "ddp",
 ) -> LayoutEstimate:
     pp, dp, v, m = shape
     ranks = [range(r, pp * v, pp) for r in range(pp)]
@@ -475,7 +506,7 @@ def _estimate(
     pipeline = m * max(with_sends) + (sum(with_sends) - max(with_sends)) / v
     grads = max(sum(split.plan.stages[j].param_bytes for j in js) for js in ranks)
     allreduce = 2 * (dp - 1) / dp * grads / rates[1]
-    memory = max(_rank_memory(split, priced, js, r, shape, schedule, checkpoint)
+    memory = max(_rank_memory(split, priced, js, r, shape, schedule, checkpoint, data_parallel)
                  for r, js in enumerate(ranks))  # fmt: skip
     return LayoutEstimate(
         pp=pp,
@@ -493,6 +524,7 @@ def _estimate(
         memory_bytes=memory,
         fits=True,
         rank_s=tuple(busy),
+        data_parallel=data_parallel,
     )
 
 
@@ -517,10 +549,12 @@ def _rank_memory(
     shape: tuple[int, int, int, int],
     schedule: str,
     checkpoint: str,
+    data_parallel: str = "ddp",
 ) -> int:
     """Peak bytes of rank ``r``: each stage's training estimate with ``f`` micro-batches in
     flight (``stage_memory`` prices ``f`` pieces of the whole batch; the activations are
-    scaled to ``f`` micro-batches of ``batch / (dp m)`` rows), plus DDP's gradient buckets."""
+    scaled to ``f`` micro-batches of ``batch / (dp m)`` rows), plus DDP's gradient buckets,
+    or with FSDP the whole weights and gradients and a ``1 / dp`` shard of the rest."""
     pp, dp, v, m = shape
     f = max(1, math.ceil(_in_flight(schedule, pp, v, m, r) / v))
     k = split.plan.num_stages
@@ -530,9 +564,13 @@ def _rank_memory(
         whole = stage_memory(stage, priced.costs, chunks=f, checkpoint=checkpoint,
                              last=j == k - 1)  # fmt: skip
         weights = param_copies(True) * stage.param_bytes
-        total += weights + (whole - weights) * f / (dp * m)
-        if dp > 1:
-            total += stage.param_bytes
+        total += (whole - weights) * f / (dp * m)
+        if dp == 1:
+            total += weights
+        elif data_parallel == "fsdp":  # gathered weights and gradients, and the shards
+            total += (2 + param_copies(True) / dp) * stage.param_bytes
+        else:  # DDP: every copy, and the gradient buckets
+            total += weights + stage.param_bytes
     return int(total)
 
 
@@ -550,8 +588,8 @@ def _ranked(layouts: list[LayoutEstimate], budget: int | None) -> list[LayoutEst
     return fit + rest
 
 
-def _tie(e: LayoutEstimate) -> tuple[int, int, int, str]:
-    return e.pp, e.virtual, e.chunks, e.schedule
+def _tie(e: LayoutEstimate) -> tuple[int, int, int, str, str]:
+    return e.pp, e.virtual, e.chunks, e.schedule, e.data_parallel
 
 
 def _none_found(world: int, batch: int, splits: Mapping[int, _Split | None], chunks: Any) -> str:
