@@ -18,11 +18,12 @@ sample). Side by side in one run, ``--rounds`` times in turn:
   process trains on half the batch in one go, and DDP averages the gradients (``fsdp``:
   FSDP2, each process holding half of every parameter; the loss counts each half twice,
   so the gradients are the others');
-- halves: the machine's own bound for any layout over 2 processes: 2 processes that each
-  train the whole model on half the batch at the same time, with no communication at all
-  (DDP without its all-reduce). Two busy processes share the machine's caches and memory
-  bandwidth, so each runs slower than one alone; no pipeline or data-parallel layout of
-  the same work beats that.
+- halves: how this machine scales to 2 busy processes: 2 processes that each train the
+  whole model on half the batch at the same time, with no communication at all (DDP
+  without its all-reduce). Two busy processes share the machine's caches and memory
+  bandwidth, so each runs slower than one alone. A reference, not a strict bound for the
+  pipeline: a pipeline rank holds half the model and runs smaller micro-batches, so its
+  caches behave otherwise (it has run as fast as the halves' pace allows, and faster).
 
 Why 16 micro-batches of 512 rows: with ``m`` micro-batches two stages are busy together for
 all but one micro-batch's time, so the pipeline's speed-up is at most ``2 m / (m + 1)``:
@@ -37,8 +38,9 @@ Each measurement runs ``--warmup`` steps first (not timed; start-up and planning
 timed either), then ``--steps`` timed steps; a pipelined step is timed between barriers on
 every rank and the slowest rank counts. The table shows medians over the rounds; a
 speed-up is the median of the rounds' ratios (target: the best pipeline >= 1.8x eager on a
-2-core machine; printed beside it, the schedule's bound ``2 m / (m + 1)`` and the machine's,
-the halves row, both measured or computed in the same run). Beside the measurements,
+2-core machine; printed beside it, the schedule's bound ``2 m / (m + 1)``, the halves row's
+speed-up, and what a 2-stage pipeline would reach at the halves' pace, halves x m / (m + 1),
+all from the same run). Beside the measurements,
 ``fd.suggest_layout``'s predictions for the 2 x 1 and 1 x 2 layouts (node costs profiled
 here on one thread, sends over an assumed 2 GB/s) and the ranking each gives. ``cpu ms``
 is the CPU time per step of the busiest process: on a machine shared with other work the
@@ -358,11 +360,11 @@ def main() -> None:
     both = ceiling * CHUNKS / (CHUNKS + 1)
     print(
         f"best pipelined speed-up {best:.2f}x (target >= {TARGET}x): {verdict}\n"
-        f"bounds, same run: the schedule's with {CHUNKS} micro-batches on 2 stages, "
-        f"2m / (m + 1) = {bound:.2f}x; this machine's for any 2-process layout (halves: "
-        f"no communication, no bubble) {ceiling:.2f}x; both together, a 2-stage pipeline's "
-        f"on this machine, halves x m / (m + 1) = {both:.2f}x; the best pipeline reaches "
-        f"{best / both:.0%} of that, DDP "
+        f"same run: the schedule's bound with {CHUNKS} micro-batches on 2 stages, "
+        f"2m / (m + 1) = {bound:.2f}x; 2 busy processes on this machine (halves: no "
+        f"communication, no bubble) {ceiling:.2f}x; a 2-stage pipeline at the halves' pace, "
+        f"halves x m / (m + 1) = {both:.2f}x, of which the best pipeline reaches "
+        f"{best / both:.0%}; DDP reaches "
         f"{next(r for r in rows if r['mode'] == 'ddp')['speedup'] / ceiling:.0%} of the halves'"
     )
     ddp = next(row for row in rows if row["mode"] == "ddp")
