@@ -85,7 +85,6 @@ class Setup:
 @pytest.fixture(scope="module", params=MODES)
 def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     gc.collect()  # pipelines of earlier tests stop their worker threads when collected
-    baseline = threading.active_count()
     torch.manual_seed(0)
     model = Probed().double()
     twin = copy.deepcopy(model)
@@ -93,6 +92,10 @@ def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     pipe = fxpipe.pipeline(
         model, x, ["cpu"] * STAGES, chunks=4, checkpoint=request.param, cost="flops"
     )
+    # Counted once the pipeline is built: planning starts no worker, but the first plan in
+    # a process may start a library's own thread for good (tqdm's monitor, which torch.fx's
+    # interpreter starts when tqdm is installed).
+    baseline = threading.active_count()
     # One CPU device runs stages in the calling thread; faults are tested on the worker
     # threads that several devices use, where losing or leaking a thread can happen.
     pipe.use_threads = True
