@@ -799,5 +799,9 @@ def test_fsdp_refuses_a_parameter_read_by_two_stages_of_one_rank() -> None:
     with pytest.raises(ConfigError, match="data_parallel='ddp'"):
         check_sharding(fsdp, stages, (0, 1, 0))
     check_sharding(fsdp, stages, (0, 1, 2))  # on two ranks: each shards its own copy
+    # Read by stages 0, 1 and 3 on ranks 0, 1, 1: the two on rank 1 are not the first two.
+    four = [stages[0], nn.Sequential(shared), nn.Sequential(nn.Linear(2, 2)), stages[2]]
+    with pytest.raises(ConfigError, match=r"stages 1 and 3, which are both on pipeline rank 1"):
+        check_sharding(fsdp, four, (0, 1, 0, 1))
     check_sharding(replace(fsdp, data_parallel="ddp"), stages, (0, 1, 0))
     check_sharding(replace(fsdp, dp_group=None), stages, (0, 1, 0))  # one replica: no FSDP

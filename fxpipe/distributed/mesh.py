@@ -79,11 +79,11 @@ def check_sharding(layout: Layout, modules: Sequence[nn.Module], ranks: Sequence
     plan is the same on every rank, so every rank decides alike."""
     if not layout.sharded:
         return
-    first: dict[int, int] = {}
+    first: dict[tuple[int, int], int] = {}  # (Parameter, rank) -> the first stage reading it
     for j, module in enumerate(modules):
         for name, p in module.named_parameters():
-            k = first.setdefault(id(p), j)
-            if k != j and ranks[k] == ranks[j]:
+            k = first.setdefault((id(p), ranks[j]), j)
+            if k != j:
                 raise ConfigError(
                     f"parameter {name!r} is read by stages {k} and {j}, which are both on "
                     f"pipeline rank {ranks[j]}; data_parallel='fsdp' shards each stage "
