@@ -25,7 +25,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 TESTS = Path(__file__).resolve().parent
@@ -37,6 +36,7 @@ from helpers import sweep  # noqa: E402
 from models import ZOO, ResidualMLP, TinyGPT  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
+from fxpipe.distributed.ownership import is_dtensor  # noqa: E402
 from fxpipe.errors import CheckpointError, ConfigError, FxPipeError  # noqa: E402
 
 TIME_LIMIT = 120.0  # seconds per test, all ranks together
@@ -106,7 +106,7 @@ def _eager(name: str, batch: int = BATCH) -> tuple[nn.Module, float]:
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A copy of the whole tensor: FSDP's DTensors gathered (a collective over "dp")."""
-    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+    return t.full_tensor() if is_dtensor(t) else t.clone()
 
 
 def _step(pipe: fd.DistributedPipeline, args: Any, kwargs: Any, target: Any) -> list[Any]:
@@ -162,7 +162,7 @@ def _train(
     losses = _step(pipe, args, kwargs, target)
     pipe.sync_tied_gradients()
     own = dict(pipe.named_parameters())
-    sharded = sorted(k for k, p in own.items() if isinstance(p, DTensor))
+    sharded = sorted(k for k, p in own.items() if is_dtensor(p))
     grads = {k: _whole(p.grad) for k, p in own.items() if p.grad is not None}
     kept = [k for k, p in model.named_parameters() if k not in own and not p.is_meta]
     torch.optim.SGD(pipe.parameters(), lr=0.01).step()

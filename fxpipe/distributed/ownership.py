@@ -17,7 +17,7 @@ from torch import nn
 
 from fxpipe.ir import StageProgram
 
-__all__ = ["Ownership", "merge_state_dicts"]
+__all__ = ["Ownership", "is_dtensor", "merge_state_dicts"]
 
 
 def merge_state_dicts(shards: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -119,21 +119,28 @@ class Ownership:
         return []
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (FSDP's sharded Parameters and their gradients); False on a
+    torch that has no public DTensor, where fxpipe offers no FSDP to make one."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
 def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
     """Copy ``full`` into ``tensor``, or into this rank's shard of it when it is a DTensor
     (FSDP): the slice its placements give, with no communication."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         tensor.copy_(full)
         return
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(
-        full.shape, tensor.device_mesh, tensor.placements
-    )
+    mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
     part = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-    tensor.to_local().copy_(part)
+    tensor.to_local().copy_(part)  # type: ignore[attr-defined]
 
 
 def _like(t: torch.Tensor, device: Any) -> torch.Tensor:

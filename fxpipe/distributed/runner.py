@@ -17,7 +17,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.utils._pytree import tree_unflatten
 
 from fxpipe.distributed.mesh import Layout
-from fxpipe.distributed.ownership import Ownership, merge_state_dicts
+from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
 from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.trace.binding import InputBinder
@@ -367,26 +367,20 @@ def _parameter_slots(modules: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
     return slots
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP), or ``t`` itself."""
-    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole of a DTensor (a collective over its mesh), or ``t`` itself."""
-    return t.full_tensor() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (this rank's part) as a gradient of ``param``: a DTensor like it under FSDP."""
     local = local.to(_local(param).device, param.dtype)
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return local
     from torch.distributed.tensor import DTensor
 
