@@ -378,7 +378,7 @@ def _price(
                 traced.graph_module,
                 traced.example_values,
                 mode=pricing,
-                device=device if pricing in ("time", "roofline") else None,
+                device=device,
                 micro_batches=micro_batches,
                 progress=pricing_progress(),
             )

@@ -89,9 +89,12 @@ def estimate_costs(
     """Price every node of ``gm`` run on ``example_values`` (one value per placeholder).
 
     ``device``: where "time" profiles, and whose kind of device "roofline" prices for
-    (default: the examples' device). ``micro_batches``: how many pieces the pipeline cuts
-    the batch into ("roofline" charges per-kernel and per-weight costs once per piece).
+    (default: the examples' device); the other modes run on the examples where they are and
+    ignore it. ``micro_batches``: how many pieces the pipeline cuts the batch into
+    ("roofline" charges per-kernel and per-weight costs once per piece).
     """
+    if mode not in ("time", "roofline"):
+        device = None
     if callable(mode):
         return _run(gm, example_values, "custom", mode, device, repeats, intensity, progress)
     if mode == "roofline" and recorded_shapes(gm, example_values) is not None:

@@ -423,7 +423,7 @@ def _costs(
         traced.graph_module,
         traced.example_values,
         mode=mode,
-        device=device if mode in ("time", "roofline") else None,
+        device=device,
         micro_batches=micro_batches,
     )
 
