@@ -974,7 +974,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for text, ok in verdicts.items():
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
     print(f"\nwall time {wall:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": command,
         "date": time.strftime("%Y-%m-%d"),

@@ -155,7 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows, COLUMNS))
     wall = time.perf_counter() - started
     print(f"\nwall time {wall:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": command,
         "torch": torch.__version__,

@@ -167,7 +167,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         worlds.append(row)
     wall = time.perf_counter() - started
     print(f"wall time {wall:.0f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": command,
         "torch": torch.__version__,
