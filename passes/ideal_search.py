@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
@@ -10,7 +9,7 @@ import numpy as np
 from fxpipe.ir import Traffic
 from fxpipe.passes.fit import StageFit
 from fxpipe.passes.ideals import ideal_split, ideal_stages
-from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering
+from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering, received_on_ideals
 from fxpipe.passes.objective import Pick
 from fxpipe.passes.units import Units
 
@@ -59,7 +58,7 @@ def fewest_bytes_on_ideals(
     if traffic == "relay":
         priced = _bytes_leaving(ideals, values)
     else:
-        priced = _bytes_entering(ideals, values)
+        priced = received_on_ideals(ideals, values, _made_in)
     total = float(units.weight.sum())
     if fit.speeds is not None:
         total /= float(fit.speeds.min())  # the times sum to at most this
@@ -95,32 +94,6 @@ def _bytes_leaving(ideals: np.ndarray, values: list[Entering]) -> np.ndarray:
         read_outside = ~ideals[:, list(v.readers)].all(axis=1) if v.readers else False
         leaving += v.bytes * (made & (read_outside | v.to_output))
     return leaving
-
-
-def _bytes_entering(ideals: np.ndarray, values: list[Entering]) -> np.ndarray:
-    """Direct traffic: ``out[I, J]``, the bytes stage ``I - J`` receives, i.e. of the values
-    made in J with a reader in ``I - J`` (each once, however many readers it has there).
-
-    With ``c(I)`` the number of v's readers in ideal I (the output counts as a reader in the
-    full ideal only), v enters ``I - J`` exactly when ``c(I) > c(J)``, which is the sum over
-    ``c < m`` of ``[c(J) = c] [c(I) > c]`` for m readers: rank-one terms, so the whole table
-    is one matrix product over (value, c) columns."""
-    count = len(ideals)
-    last = np.zeros(count, dtype=np.int64)
-    last[-1] = 1  # rows are ordered by size: the last one is the full ideal
-    grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
-    for v in values:
-        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
-    receives, sends = [], []
-    for (producer, units_reading, to_output), size in grouped.items():
-        made = _made_in(ideals, Entering(0, producer, units_reading, to_output))
-        inside = ideals[:, list(units_reading)].sum(axis=1) + (last if to_output else 0)
-        for c in range(len(units_reading) + to_output):
-            receives.append(inside > c)
-            sends.append(size * (made & (inside == c)))
-    if not receives:
-        return np.zeros((count, count))
-    return np.asarray(np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T)
 
 
 def _tie_break(total: float) -> float:

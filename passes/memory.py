@@ -23,9 +23,11 @@ an order) are :mod:`fxpipe.passes.memory_tables`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -47,6 +49,7 @@ __all__ = [
     "whole_coef",
     "memory_terms",
     "memory_model",
+    "received_on_ideals",
 ]
 
 #: Copies of each parameter a training step holds: weight, gradient, two Adam moments.
@@ -188,3 +191,35 @@ class Entering:
     #: whole value for every micro-batch, which the runtime sends once per step: a stage
     #: receiving it holds one copy (and, in training, its gradient): ``whole_coef``.
     batched: bool = True
+
+
+def received_on_ideals(
+    ideals: np.ndarray,
+    values: Iterable[Entering],
+    made_in: Callable[[np.ndarray, Entering], np.ndarray],
+) -> np.ndarray:
+    """``out[I, J]``: the bytes stage ``I - J`` receives, of the values made in ideal J
+    (``made_in(ideals, v)``: which ideals make ``v``) with a reader in ``I - J``, each once
+    however many readers it has there.
+
+    With ``c(I)`` the number of v's readers in ideal I (the output counts as a reader in the
+    full ideal only), v enters ``I - J`` exactly when it is made in J and ``c(I) > c(J)``:
+    the sum over ``c < m`` of ``[c(J) = c, made in J] [c(I) > c]`` for m readers, rank-one
+    terms, so the whole table is one matrix product over (value, c) columns. Values alike
+    but for their bytes share their columns."""
+    count = len(ideals)
+    last = np.zeros(count, dtype=np.int64)
+    last[-1] = 1  # rows are ordered by size: the last one is the full ideal
+    grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
+    for v in values:
+        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
+    receives, sends = [], []
+    for (producer, readers, to_output), size in grouped.items():
+        made = made_in(ideals, Entering(0, producer, readers, to_output))
+        inside = ideals[:, list(readers)].sum(axis=1) + (last if to_output else 0)
+        for c in range(len(readers) + to_output):
+            receives.append(inside > c)
+            sends.append(size * (made & (inside == c)))
+    if not receives:
+        return np.zeros((count, count))
+    return np.asarray(np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T)

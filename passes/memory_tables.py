@@ -6,7 +6,6 @@ terms, the spread items and the received values are.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from fxpipe.passes.memory import (
     Spread,
     memory_terms,
     param_copies,
+    received_on_ideals,
     whole_coef,
 )
 
@@ -198,8 +198,8 @@ class UnitMemory:
         return (
             params,
             saved,
-            _received_on_ideals(ideals, batched),
-            _received_on_ideals(ideals, whole),
+            received_on_ideals(ideals, batched, _held_in),
+            received_on_ideals(ideals, whole, _held_in),
         )
 
     @staticmethod
@@ -347,33 +347,14 @@ class OrderMemory:
         return np.asarray(p + self.saved_coef[j] * s + self.input_coef[j] * received + whole)
 
 
-def _received_on_ideals(ideals: np.ndarray, values: Iterable[Entering]) -> np.ndarray:
-    """``out[I, J]``: bytes stage ``I - J`` receives: values made in J and read in I - J.
-
-    With ``c(I)`` the number of v's readers in I (the output reads in the full ideal only),
-    v enters ``I - J`` when it is made in J and ``c(I) > c(J)``: the sum over ``c`` of
-    ``[c(J) = c, made in J] [c(I) > c]``, rank-one terms, so one matrix product."""
-    count = len(ideals)
-    last = np.zeros(count, dtype=np.int64)
-    last[-1] = 1
-    grouped: dict[tuple[int, tuple[int, ...], bool], float] = defaultdict(float)
-    for v in values:
-        grouped[(v.producer, v.readers, v.to_output)] += v.bytes
-    receives, sends = [], []
-    for (producer, readers, to_output), size in grouped.items():
-        if producer == MODEL_INPUT:
-            made = np.arange(count) > 0  # the first stage holds the inputs
-        elif producer == FIRST_READER:
-            made = np.asarray(ideals[:, list(readers)].any(axis=1))
-        else:
-            made = np.asarray(ideals[:, producer])
-        inside = ideals[:, list(readers)].sum(axis=1) + (last if to_output else 0)
-        for c in range(len(readers) + to_output):
-            receives.append(inside > c)
-            sends.append(size * (made & (inside == c)))
-    if not receives:
-        return np.zeros((count, count))
-    return np.asarray(np.stack(receives, axis=1).astype(np.float64) @ np.stack(sends, axis=1).T)
+def _held_in(ideals: np.ndarray, v: Entering) -> np.ndarray:
+    """Which ideals hold the stage that makes ``v``: a model input is the first stage's (no
+    stage receives it from the empty ideal)."""
+    if v.producer == MODEL_INPUT:
+        return np.arange(len(ideals)) > 0
+    if v.producer == FIRST_READER:
+        return np.asarray(ideals[:, list(v.readers)].any(axis=1))
+    return np.asarray(ideals[:, v.producer])
 
 
 def unit_memory(
