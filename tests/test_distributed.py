@@ -188,6 +188,25 @@ def _train(
     }
 
 
+def _bits(rank: int, world: int, *, name: str, n_mb: int) -> dict[str, Any]:
+    """The eager model's gradients on this rank (one thread, as the stages run), and which
+    of the pipeline's gradients, tied copies summed, have exactly eager's bits."""
+    build, args, kwargs, loss_fn, target = _problem(name)
+    eager = build()
+    loss_fn(eager(*args, **kwargs), target).backward()
+    pipe = fd.pipeline_schedule(
+        build(), args, example_kwargs=kwargs, n_microbatches=n_mb, loss_fn=loss_fn,
+    )  # fmt: skip
+    _step(pipe, args, kwargs, target)
+    pipe.sync_tied_gradients()
+    want = dict(eager.named_parameters())
+    own = dict(pipe.named_parameters())
+    return {
+        "equal": {k: torch.equal(p.grad, want[k].grad) for k, p in own.items()},
+        "replicated": pipe.replicated_keys,
+    }
+
+
 def _sync(rank: int, world: int) -> dict[str, Any]:
     """``sync_tied_gradients`` sums the copies of a Parameter held on several ranks. fxpipe's
     tracer gives every Parameter one home stage, so the copies here are made up: one held by
@@ -364,6 +383,8 @@ def _bad_inputs(rank: int, world: int) -> dict[str, Any]:
         "mesh_and_group": {"mesh": mesh, "group": dist.group.WORLD},
         "mesh_stages": {"mesh": mesh, "num_stages": 3},
         "mesh_schedule": {"mesh": mesh, "schedule": "zbvzerobubble", "stages_per_rank": 2},
+        "one_per_stage": {"schedule": "1f1b", "n_microbatches": 1},
+        "rounds": {"schedule": "interleaved1f1b", "stages_per_rank": 2, "n_microbatches": 5},
     }
     if rank == 1:
         dist.barrier()
@@ -656,6 +677,27 @@ def test_a_tied_embedding_is_held_by_each_rank_using_it_and_summed_once(
 
 
 @pytest.mark.slow
+def test_a_tied_weights_summed_copies_have_eagers_bits_at_one_micro_batch(
+    tmp_path: Path,
+) -> None:
+    """The copies' gradients summed once per step are the eager gradient to the bit when
+    the step is one micro-batch (eager's autograd adds the same two terms); with several,
+    no gradient (tied or not) is: each is a sum over micro-batches, rounded otherwise than
+    the whole batch's (the other tests compare those within float32 rounding)."""
+    for n_mb, exact in ((1, True), (N_MB, False)):
+        folder = tmp_path / f"m{n_mb}"
+        folder.mkdir()
+        results = _results(_launch(_bits, 2, folder, name="transformer", n_mb=n_mb))
+        assert all(r["replicated"] == ("tok.weight",) for r in results)
+        equal = {k: v for r in results for k, v in r["equal"].items()}
+        assert len(equal) > 10 and "tok.weight" in equal
+        if exact:
+            assert all(equal.values()), [k for k, v in equal.items() if not v]
+        else:
+            assert not all(equal.values()), "micro-batched sums round otherwise"
+
+
+@pytest.mark.slow
 def test_module_called_in_two_stages_is_held_by_both_ranks(tmp_path: Path) -> None:
     results = _results(_launch(_train, 2, tmp_path, name="shared_module", schedule="gpipe"))
     assert all(r["stages_using_shared"] == {0, 1} for r in results)
@@ -732,6 +774,8 @@ def test_bad_options_fail_on_every_rank_before_communication(tmp_path: Path) -> 
         assert "num_stages=3" in errors["mesh_stages"][1]
         assert "'pp'" in errors["mesh_stages"][1]
         assert "splits backward" in errors["mesh_schedule"][1]
+        assert "n_microbatches=1 < 2 stages" in errors["one_per_stage"][1]
+        assert "n_microbatches=4" in errors["rounds"][1] and "=5" in errors["rounds"][1]
 
 
 @pytest.mark.slow

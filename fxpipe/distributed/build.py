@@ -116,6 +116,7 @@ def pipeline_schedule(
     )
     world = dist.get_world_size(group)
     total = _stage_count(world, stages_per_rank, num_stages, mesh=mesh is not None)
+    _check_micro_batches(kind, n_microbatches, world, total)
     target = _default_device(group) if device is None else parse_device(device)
     args = example_input if isinstance(example_input, tuple) else (example_input,)
     kwargs = dict(example_kwargs or {})
@@ -286,6 +287,28 @@ def _check_options(
     if not isinstance(scale_grads, bool):
         raise ConfigError(f"scale_grads={scale_grads!r} must be True or False")
     return kind
+
+
+def _check_micro_batches(kind: str, n_microbatches: int, world: int, total: int) -> None:
+    """ConfigError for a micro-batch count torch's schedule class refuses when it is built,
+    which is after this rank's stages have taken their Parameters from the model: 1F1B and
+    DualPipeV need at least one micro-batch per stage, the interleaved schedules rounds of
+    equal size (``n_microbatches // world`` of them)."""
+    if kind in ("1f1b", "dualpipev") and n_microbatches < total:
+        raise ConfigError(
+            f"schedule={kind!r} needs at least one micro-batch per stage, but "
+            f"n_microbatches={n_microbatches} < {total} stages; pass n_microbatches >= "
+            f"{total}, or schedule='gpipe', which runs any number"
+        )
+    rounds = max(1, n_microbatches // world)
+    if kind in _INTERLEAVED and n_microbatches % rounds:
+        fit = max(world, n_microbatches - n_microbatches % world)
+        raise ConfigError(
+            f"schedule={kind!r} runs the micro-batches in {rounds} equal rounds "
+            f"(n_microbatches // {world} pipeline ranks), which n_microbatches="
+            f"{n_microbatches} does not divide into; pass a multiple of {world}, such as "
+            f"n_microbatches={fit}"
+        )
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
