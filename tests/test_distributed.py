@@ -556,6 +556,14 @@ MESH_CASES = [
     for name in ("unet", "transformer")
     for schedule, spr in (("gpipe", 1), ("1f1b", 1), ("loopedbfs", 2))
 ]
+#: Zero-bubble schedules (backward split into input and weight parts), FSDP only: the
+#: V-shaped ZBV and DualPipeV (stages r and 3 - r on rank r; the tied embedding would put
+#: both its stages on rank 0, which FSDP refuses) and interleaved zero bubble.
+ZERO_BUBBLE_CASES = [
+    ("unet", "zbvzerobubble", 2),
+    ("unet", "dualpipev", 2),
+    ("transformer", "interleavedzerobubble", 2),
+]
 
 
 def _train_cases(
@@ -573,12 +581,16 @@ def test_two_stages_by_two_replicas_match_eager_on_the_global_batch(
     tmp_path: Path, data_parallel: str
 ) -> None:
     """A 2 x 2 mesh: two pipeline replicas (DDP, or FSDP2 shards, over "dp"), each fed half
-    the batch, for every case of MESH_CASES: losses and every gradient equal eager's."""
-    runs = _launch(_train_cases, 4, tmp_path, cases=MESH_CASES, dp=2, data_parallel=data_parallel)
-    for case, *per_case in zip(MESH_CASES, *_results(runs)):
-        name, _, spr = case
+    the batch, for every case of MESH_CASES (and, with FSDP, ZERO_BUBBLE_CASES): losses and
+    every gradient equal eager's."""
+    cases = MESH_CASES + (ZERO_BUBBLE_CASES if data_parallel == "fsdp" else [])
+    runs = _launch(_train_cases, 4, tmp_path, cases=cases, dp=2, data_parallel=data_parallel)
+    for case, *per_case in zip(cases, *_results(runs), strict=True):
+        name, schedule, spr = case
         results = list(per_case)
         per_rank = [tuple(range(j, 2 * spr, 2)) for j in range(2)]
+        if schedule in ("zbvzerobubble", "dualpipev"):
+            per_rank = [(0, 3), (1, 2)]
         stages = [per_rank[0], per_rank[0], per_rank[1], per_rank[1]]
         assert [r["stages"] for r in results] == stages, case
         assert [r["replica"] for r in results] == [0, 1, 0, 1], case
@@ -651,7 +663,11 @@ def test_four_ranks_match_eager(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule, stages",
-    [("interleaved1f1b", [(0, 2), (1, 3)]), ("zbvzerobubble", [(0, 3), (1, 2)])],
+    [
+        ("interleaved1f1b", [(0, 2), (1, 3)]),
+        ("zbvzerobubble", [(0, 3), (1, 2)]),
+        ("dualpipev", [(0, 3), (1, 2)]),
+    ],
 )
 def test_two_stages_per_rank(tmp_path: Path, schedule: str, stages: list[Any]) -> None:
     runs = _launch(_train, 2, tmp_path, name="unet", schedule=schedule, spr=2, scale_grads=True)
@@ -774,6 +790,7 @@ def test_bad_options_fail_on_every_rank_before_communication(tmp_path: Path) -> 
         assert "num_stages=3" in errors["mesh_stages"][1]
         assert "'pp'" in errors["mesh_stages"][1]
         assert "splits backward" in errors["mesh_schedule"][1]
+        assert "data_parallel='fsdp'" in errors["mesh_schedule"][1]
         assert "n_microbatches=1 < 2 stages" in errors["one_per_stage"][1]
         assert "n_microbatches=4" in errors["rounds"][1] and "=5" in errors["rounds"][1]
 

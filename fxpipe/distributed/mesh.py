@@ -28,8 +28,9 @@ __all__ = ["DATA_PARALLEL", "Layout", "check_sharding", "mesh_layout"]
 
 #: ``data_parallel=`` values: torch's DDP, or FSDP2's ``fully_shard``, over the ``"dp"`` group.
 DATA_PARALLEL = ("ddp", "fsdp")
-#: Schedules that split backward into input and weight parts, which DDP's one hook per
-#: parameter does not follow.
+#: Schedules that split backward into input and weight parts: DDP's hooks do not follow
+#: them (its all-reduce misses the weight parts: wrong gradients, no error); FSDP2's
+#: reduce-scatter runs once the schedule has run every weight part.
 _SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
 
 
@@ -97,7 +98,7 @@ def mesh_layout(
 ) -> Layout:
     """The layout of ``mesh`` (None: one pipeline over ``group``); ConfigError, before any
     communication, for a mesh without ``"pp"`` and ``"dp"`` dimensions, a mesh beside a
-    ``group``, an unknown ``data_parallel`` or a schedule DDP cannot follow."""
+    ``group``, an unknown ``data_parallel`` or a schedule it cannot follow."""
     if data_parallel not in DATA_PARALLEL:
         raise ConfigError(
             f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}; pass 'ddp' "
@@ -135,15 +136,32 @@ def mesh_layout(
             "dimension: pass mesh alone"
         )
     if schedule in _SPLIT_BACKWARD:
-        raise ConfigError(
-            f"schedule={schedule!r} splits backward into input and weight parts, which "
-            "data parallelism over the mesh does not follow yet; use 'gpipe', '1f1b', "
-            "'interleaved1f1b' or 'loopedbfs' with a mesh"
-        )
+        _check_split_backward(schedule, data_parallel)
     dp = mesh["dp"]
     size = dp.size()
     group = dp.get_group() if size > 1 else None
     return Layout(mesh["pp"].get_group(), group, size, data_parallel, dp)
+
+
+def _check_split_backward(schedule: str, data_parallel: str) -> None:
+    """ConfigError for a zero-bubble schedule under DDP, or under FSDP on a torch whose
+    pipeline stages do not reduce FSDP's gradients after the weight parts."""
+    if data_parallel == "ddp":
+        raise ConfigError(
+            f"schedule={schedule!r} splits backward into input and weight parts, which "
+            "DDP's gradient hooks do not follow (its all-reduce would miss the weight "
+            "parts); pass data_parallel='fsdp', or use 'gpipe', '1f1b', 'interleaved1f1b' or "
+            "'loopedbfs' with DDP"
+        )
+    from torch.distributed.pipelining import PipelineStage
+
+    if not hasattr(PipelineStage, "perform_reduce_grad"):
+        raise ConfigError(
+            f"schedule={schedule!r} with data_parallel='fsdp' needs torch's pipeline stages "
+            "to reduce FSDP's gradients once every weight part has run "
+            f"(PipelineStage.perform_reduce_grad), which torch {torch.__version__} lacks; "
+            "upgrade torch, or use 'gpipe', '1f1b', 'interleaved1f1b' or 'loopedbfs'"
+        )
 
 
 def _fully_shard() -> Any:
