@@ -550,12 +550,13 @@ def test_two_ranks_match_eager(tmp_path: Path) -> None:
 
 
 #: (model, schedule, stages per rank): long skips (unet) and a tied embedding (transformer),
-#: under GPipe, 1F1B and looped BFS (breadth-first, two stages per rank).
+#: under GPipe, 1F1B and looped BFS (breadth-first, two stages per rank); interleaved 1F1B
+#: with the skips.
 MESH_CASES = [
     (name, schedule, spr)
     for name in ("unet", "transformer")
     for schedule, spr in (("gpipe", 1), ("1f1b", 1), ("loopedbfs", 2))
-]
+] + [("unet", "interleaved1f1b", 2)]
 #: Zero-bubble schedules (backward split into input and weight parts), FSDP only: the
 #: V-shaped ZBV and DualPipeV (stages r and 3 - r on rank r; the tied embedding would put
 #: both its stages on rank 0, which FSDP refuses) and interleaved zero bubble.
