@@ -37,7 +37,7 @@ from models import ZOO, ResidualMLP, TinyGPT  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
 from fxpipe.distributed.ownership import is_dtensor  # noqa: E402
-from fxpipe.errors import CheckpointError, ConfigError, FxPipeError  # noqa: E402
+from fxpipe.errors import CheckpointError, ConfigError, FxPipeError, PlanError  # noqa: E402
 
 TIME_LIMIT = 120.0  # seconds per test, all ranks together
 BATCH, N_MB = 8, 4
@@ -204,6 +204,54 @@ def _bits(rank: int, world: int, *, name: str, n_mb: int) -> dict[str, Any]:
     return {
         "equal": {k: torch.equal(p.grad, want[k].grad) for k, p in own.items()},
         "replicated": pipe.replicated_keys,
+    }
+
+
+class _FixedRows(nn.Module):
+    """A batch size written into the model: ``reshape(8, 2, 16)`` fits batches of 8 rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).reshape(8, 2, 16).sum(1))
+
+
+def _batch_checks(rank: int, world: int) -> dict[str, Any]:
+    """What splitting the batch changes, on each rank: a batch size written into the model is
+    refused when the pipeline is built (the model untouched), and BatchNorm in training
+    mode is warned about once, at the first step (none in eval mode)."""
+    import warnings
+
+    from fxpipe.errors import BatchStatisticsWarning
+
+    fixed = _FixedRows()
+    try:
+        fd.pipeline_schedule(fixed, torch.randn(BATCH, 16), n_microbatches=N_MB, loss_fn=_sum_sq)
+        refused = ""
+    except PlanError as e:
+        refused = str(e)
+    build, args, kwargs, loss_fn, target = _problem("resnet")
+    seen = {}
+    for mode in ("train", "eval"):
+        model = build().train(mode == "train")
+        pipe = fd.pipeline_schedule(model, args, n_microbatches=N_MB, loss_fn=loss_fn)
+        counts = []
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _step(pipe, args, kwargs, target)
+            found = [w for w in caught if issubclass(w.category, BatchStatisticsWarning)]
+            counts.append(len(found))
+            seen[f"{mode}_text"] = seen.get(f"{mode}_text", "") + "".join(
+                str(w.message) for w in found
+            )
+        seen[mode] = counts
+    return {
+        "refused": refused,
+        "untouched": all(not p.is_meta for p in fixed.parameters()),
+        **seen,
     }
 
 
@@ -712,6 +760,18 @@ def test_a_tied_weights_summed_copies_have_eagers_bits_at_one_micro_batch(
             assert all(equal.values()), [k for k, v in equal.items() if not v]
         else:
             assert not all(equal.values()), "micro-batched sums round otherwise"
+
+
+@pytest.mark.slow
+def test_what_splitting_the_batch_changes_is_refused_or_warned_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    for r in _results(_launch(_batch_checks, 2, tmp_path)):
+        assert "n_microbatches=4" in r["refused"] and "reshape" in r["refused"], r["refused"]
+        assert "pass n_microbatches=1" in r["refused"] and r["untouched"]
+        assert r["train"] == [1, 0] and r["eval"] == [0, 0], (r["train"], r["eval"])
+        assert "BatchNorm" in r["train_text"] and "pass n_microbatches=1" in r["train_text"]
+        assert "deferred_batch_norm" not in r["train_text"]  # not an option here
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
 from fxpipe.options import PlanOptions
+from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 
 __all__ = ["pipeline_schedule", "SCHEDULES"]
 
@@ -135,6 +136,7 @@ def pipeline_schedule(
         options = replace(options, cost=measured)
     compiled = _compile(model, args, kwargs, devices, options)
     plan, program = compiled.plan, compiled.program
+    check_micro_batches(compiled.traced, n_microbatches, model, option="n_microbatches")
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
     metas = _stage_metas(model, program, values)
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
@@ -158,6 +160,7 @@ def pipeline_schedule(
         loss_fn=loss_fn,
         scale_grads=scale_grads,
         layout=layout,
+        statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
     )
 
 

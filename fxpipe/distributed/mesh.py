@@ -54,7 +54,9 @@ class Layout:
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
         """``module`` as its stage's replicas train it: under DDP or ``fully_shard`` over
         ``"dp"``, else as is. DDP does not broadcast buffers each forward (one collective
-        per micro-batch): the replicas start equal and update them alike. ``fully_shard``
+        per micro-batch): the replicas start equal and update them alike, except batch-norm
+        running statistics, which each updates from its own micro-batches (warned about at
+        the first step). ``fully_shard``
         keeps the gathered parameters from the first forward to the last backward of a step
         (``reshard_after_forward=False``: one gather per step, not one per micro-batch)."""
         if self.dp_group is None:

@@ -20,6 +20,7 @@ from fxpipe.distributed.mesh import Layout
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
 from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
 
 __all__ = ["DistributedPipeline", "SPLIT_BACKWARD"]
@@ -56,6 +57,7 @@ class DistributedPipeline:
         loss_fn: Callable[..., torch.Tensor] | None,
         scale_grads: bool,
         layout: Layout | None = None,
+        statistics: BatchStatistics | None = None,
     ) -> None:
         self.plan, self.group, self.device = plan, group, device
         self.layout = layout or Layout(group)
@@ -70,6 +72,7 @@ class DistributedPipeline:
         self._own = Ownership(model, program, ranks, self.rank)
         self._own.place(device, [model, plan.graph_module, *program.modules])
         copies = kind in SPLIT_BACKWARD
+        self._statistics = statistics, n_microbatches
         slots = _parameter_slots(self.stage_modules)
         self.stages = tuple(
             self._stage(program, binder if j == 0 else None, metas[j], j, copies)
@@ -99,6 +102,7 @@ class DistributedPipeline:
             outputs = tuple(outputs[i] for i in take)
         module = _StageModule(program.modules[j], binder, take, copies)
         module.no_views = self.layout.sharded
+        module.statistics = self._statistics
         stage = _Stage(
             self.layout.wrap(module, self.device),
             j,
@@ -340,8 +344,14 @@ class _StageModule(nn.Module):
         # Under FSDP, outputs that are views are copied: FSDP's pre-backward hook on an
         # output would be lost to an in-place write through a view of it.
         self.no_views = False
+        # The model's batch-statistics layers and the number of micro-batches: warned about
+        # once, at the first call that normalises micro-batches with their own statistics.
+        self.statistics: tuple[BatchStatistics | None, int] = (None, 1)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        statistics, n_microbatches = self.statistics
+        if statistics is not None:
+            statistics.warn_once(n_microbatches)
         if self._binder is not None:
             args = self._binder.bind(args, kwargs)
         elif self._copies:

@@ -40,9 +40,13 @@ class BatchStatistics:
     #: "fx" or "export": whether ``deferred_batch_norm`` is available to the remedy.
     tracer: str
     warned: bool = False
+    #: The option that sets the number of micro-batches: ``"chunks"`` (``fxpipe.pipeline``,
+    #: which offers ``deferred_batch_norm``) or ``"n_microbatches"`` (the multi-process mode,
+    #: which does not).
+    option: str = "chunks"
 
     @classmethod
-    def of(cls, traced: Traced) -> BatchStatistics:
+    def of(cls, traced: Traced, option: str = "chunks") -> BatchStatistics:
         gm = traced.graph_module
         layers: dict[str, _BatchNorm | None] = {}
         for node in gm.graph.nodes:
@@ -52,7 +56,7 @@ class BatchStatistics:
                     layers[str(node.target)] = module
             elif node.op == "call_function" and _fixed_training_batch_norm(node):
                 layers.setdefault(module_path(node) or node.name, None)
-        return cls(tuple(layers.items()), traced.tracer)
+        return cls(tuple(layers.items()), traced.tracer, option=option)
 
     def active(self) -> list[str]:
         """The layers that use batch statistics now (their modules' current mode)."""
@@ -70,7 +74,7 @@ class BatchStatistics:
             return
         self.warned = True
         warnings.warn(
-            _statistics_message(names, self.tracer),
+            _statistics_message(names, self.tracer, self.option),
             BatchStatisticsWarning,
             stacklevel=_caller_level(),
         )
@@ -84,23 +88,33 @@ def _fixed_training_batch_norm(node: fx.Node) -> bool:
     return len(node.args) > _TRAINING_ARG and node.args[_TRAINING_ARG] is True
 
 
-def _statistics_message(names: list[str], tracer: str) -> str:
+#: What the multi-process mode adds to the batch-statistics warning.
+_REPLICAS = (
+    " With data parallelism over a mesh, each replica also updates its own copy of the "
+    "running statistics from its own micro-batches (nothing synchronises buffers), so the "
+    "copies differ between replicas."
+)
+
+
+def _statistics_message(names: list[str], tracer: str, option: str) -> str:
     shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
     layers = f"{len(names)} BatchNorm layer{'s' if len(names) > 1 else ''} ({shown})"
     deferred = (
-        "deferred_batch_norm=True makes the running statistics equal to the model's (one "
-        "update per batch, from the whole batch's mean and variance)"
+        " deferred_batch_norm=True makes the running statistics equal to the model's (one "
+        "update per batch, from the whole batch's mean and variance); outputs in training "
+        "still use each micro-batch's statistics."
         if tracer == "fx"
-        else "deferred_batch_norm=True, which makes the running statistics equal to the "
-        "model's, needs a graph from torch.fx (tracer='fx'); this one came from torch.export"
+        else " deferred_batch_norm=True, which makes the running statistics equal to the "
+        "model's, needs a graph from torch.fx (tracer='fx'); this one came from torch.export."
     )
+    remedy = deferred if option == "chunks" else _REPLICAS
     return (
         f"{layers} in training mode {'normalise' if len(names) > 1 else 'normalises'} each "
         "micro-batch with its own mean and "
         "variance (as GPipe does), so in training this pipeline's outputs and gradients "
         "differ from the unpipelined model's, and the running statistics are updated once "
-        f"per micro-batch instead of once per batch. {deferred}; outputs in training still "
-        "use each micro-batch's statistics. For outputs equal to the model's, pass chunks=1 "
+        f"per micro-batch instead of once per batch.{remedy} "
+        f"For outputs equal to the model's, pass {option}=1 "
         "or use a norm without batch statistics (GroupNorm, LayerNorm); in eval mode "
         "outputs are equal. This warning is given once per pipeline."
     )
@@ -117,9 +131,12 @@ def _caller_level() -> int:
 # ------------------------------------------------------------------ batch sizes in the model
 
 
-def check_micro_batches(traced: Traced, chunks: int, model: nn.Module) -> None:
+def check_micro_batches(
+    traced: Traced, chunks: int, model: nn.Module, option: str = "chunks"
+) -> None:
     """PlanError when the graph runs on fake tensors of the example batch but not on those of
-    the micro-batches ``chunks`` splits it into: a batch size written into the model."""
+    the micro-batches ``chunks`` splits it into: a batch size written into the model. The
+    message names ``option``, the argument that set ``chunks``."""
     gm, values = traced.graph_module, traced.example_values
     batch = _example_rows(values)
     if batch is None or chunks < 2:
@@ -129,7 +146,7 @@ def check_micro_batches(traced: Traced, chunks: int, model: nn.Module) -> None:
         for size in sorted({-(-batch // parts), batch // parts} - {batch}, reverse=True):
             failure = _failure(gm, values, size)
             if failure is not None and _failure(gm, values, batch) is None:
-                raise PlanError(_sizes_message(*failure, size, batch, chunks))
+                raise PlanError(_sizes_message(*failure, size, batch, f"{option}={chunks}"))
 
 
 def _example_rows(values: tuple[Any, ...]) -> int | None:
@@ -166,16 +183,17 @@ class _NodeTracking(fx.Interpreter):
         return super().run_node(n)
 
 
-def _sizes_message(node: fx.Node, error: Exception, size: int, batch: int, chunks: int) -> str:
+def _sizes_message(node: fx.Node, error: Exception, size: int, batch: int, split: str) -> str:
     path = module_path(node)
     where = f"at {_call_text(node)} " + (f"in module {path!r}" if path else "in forward")
     source = _source_line(node)
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (
         f"the model runs on the example batch of {batch} rows but not on its micro-batches "
-        f"of {size} rows (chunks={chunks}): {where}{source}: {first}. A batch size written "
+        f"of {size} rows ({split}): {where}{source}: {first}. A batch size written "
         "into the model fits only batches of that size: compute it from the input "
-        "(x.shape[0], or -1 in reshape/view), or pass chunks=1 to run whole batches"
+        f"(x.shape[0], or -1 in reshape/view), or pass {split.split('=')[0]}=1 to run whole "
+        "batches"
     )
 
 
