@@ -301,6 +301,11 @@ def _meta_model(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
         refused = ""
     except ConfigError as e:
         refused = str(e)
+    try:  # every rank stops before sending: its stages hold uninitialised memory
+        _step(pipe, args, kwargs, target)
+        unloaded = ""
+    except ConfigError as e:
+        unloaded = str(e)
     pipe.load_stage_state_dict(full)
     losses = _step(pipe, args, kwargs, target)
     grads = {k: _whole(p.grad) for k, p in own.items()}
@@ -309,6 +314,7 @@ def _meta_model(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
         "placed": placed,
         "released": released,
         "refused": refused,
+        "unloaded": unloaded,
         "grads": grads,
         "loss": float(sum(losses)) if losses else None,
         "merged": merged,
@@ -800,6 +806,7 @@ def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path, dp: int) ->
     eager, loss = _eager("mlp_residual", dp * BATCH)
     assert all(r["placed"] and r["released"] for r in results)
     assert all("lacks" in r["refused"] for r in results)
+    assert all("never loaded" in r["unloaded"] for r in results)
     rank_losses = [r["loss"] for r in results if r["loss"] is not None]
     assert len(rank_losses) == dp and sum(rank_losses) == pytest.approx(loss, rel=1e-5)
     expected = dict(eager.named_parameters())

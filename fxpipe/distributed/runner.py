@@ -115,6 +115,7 @@ class DistributedPipeline:
         before = self.stage_modules[: self.stage_indices.index(j)]
         earlier = {id(p) for m in before for p in m.parameters()}
         stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
+        stage.unloaded = self._own.uninitialised  # emptied in place by the loads
         return stage
 
     def parameters(self) -> list[nn.Parameter]:
@@ -424,9 +425,26 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
 
 class _Stage(PipelineStage):
     """A PipelineStage that scales a Parameter shared with an earlier stage of its rank once
-    (torch scales every stage's parameters, so such a Parameter would be scaled twice)."""
+    (torch scales every stage's parameters, so such a Parameter would be scaled twice), and
+    refuses to run a step while tensors it materialised from ``meta`` are unloaded."""
 
     scaled: list[nn.Parameter]
+    #: Keys of this rank's tensors materialised from ``meta`` and not loaded yet.
+    unloaded: set[str]
+
+    def clear_runtime_states(self) -> None:
+        """Called by every torch schedule on every stage at the start of a step, before
+        any communication: a rank whose stages hold uninitialised memory stops there."""
+        if self.unloaded:
+            keys = sorted(self.unloaded)
+            shown = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+            raise ConfigError(
+                f"the model was built on 'meta' and this rank's stages hold {len(keys)} "
+                f"tensor(s) that were never loaded ({shown}): their memory is uninitialised; "
+                "call load_stage_state_dict(full_state_dict) or load_checkpoint(path) on every "
+                "rank before the first step"
+            )
+        super().clear_runtime_states()
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         if grad_scale_factor != 1:
