@@ -415,6 +415,17 @@ def _fail(
     return {}
 
 
+def _wrong_batch(rank: int, world: int) -> dict[str, Any]:
+    """A step, then a step on a batch twice the example's: torch sized every buffer from the
+    example, so the first rank refuses the second step before sending anything."""
+    build, args, kwargs, loss_fn, target = _problem("mlp_residual")
+    pipe = fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn)
+    _step(pipe, args, kwargs, target)
+    _, args, kwargs, _, target = _problem("mlp_residual", 2 * BATCH)
+    _step(pipe, args, kwargs, target)
+    return {}
+
+
 def _bad_inputs(rank: int, world: int) -> dict[str, Any]:
     """Bad options fail on each rank alone: rank 1 tries them only after rank 0 has
     finished, and rank 0 before rank 1 reaches its first collective (any communication in
@@ -822,6 +833,17 @@ def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path, dp: int) ->
                 assert torch.equal(merged[key], value), key
         else:
             assert merged is None
+
+
+@pytest.mark.slow
+def test_a_batch_of_another_size_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    """Without the check, the last rank received into a buffer of the example's size and
+    aborted (SIGABRT) on the larger batch, the first rank failed in backward on a smaller."""
+    runs = _launch(_wrong_batch, 2, tmp_path, pg_timeout=15)
+    assert all(code != 0 for code, _ in runs), [code for code, _ in runs]
+    first = runs[0][1]["error"]
+    assert first.startswith("InputError") and "shapes [(4, 32)]" in first, first
+    assert "built for [(2, 32)]" in first and "batch of 8 rows" in first
 
 
 @pytest.mark.slow

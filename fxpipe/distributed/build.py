@@ -161,6 +161,7 @@ def pipeline_schedule(
         scale_grads=scale_grads,
         layout=layout,
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
+        input_shapes=tuple(tuple(t.shape) for t in _tensors((mb_args, mb_kwargs))),
     )
 
 

@@ -14,11 +14,11 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.distributed.mesh import Layout
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
-from fxpipe.errors import CheckpointError, ConfigError
+from fxpipe.errors import CheckpointError, ConfigError, InputError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
@@ -58,6 +58,7 @@ class DistributedPipeline:
         scale_grads: bool,
         layout: Layout | None = None,
         statistics: BatchStatistics | None = None,
+        input_shapes: tuple[tuple[int, ...], ...] | None = None,
     ) -> None:
         self.plan, self.group, self.device = plan, group, device
         self.layout = layout or Layout(group)
@@ -73,6 +74,7 @@ class DistributedPipeline:
         self._own.place(device, [model, plan.graph_module, *program.modules])
         copies = kind in SPLIT_BACKWARD
         self._statistics = statistics, n_microbatches
+        self._input_shapes = input_shapes
         slots = _parameter_slots(self.stage_modules)
         self.stages = tuple(
             self._stage(program, binder if j == 0 else None, metas[j], j, copies)
@@ -116,6 +118,7 @@ class DistributedPipeline:
         earlier = {id(p) for m in before for p in m.parameters()}
         stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
         stage.unloaded = self._own.uninitialised  # emptied in place by the loads
+        stage.inputs = (self._input_shapes if j == 0 else None), self._statistics[1]
         return stage
 
     def parameters(self) -> list[nn.Parameter]:
@@ -366,6 +369,20 @@ class _StageModule(nn.Module):
         return picked[0] if len(picked) == 1 else picked
 
 
+def _check_input_shapes(want: tuple[tuple[int, ...], ...], values: Any, n: int) -> None:
+    """InputError when a step's micro-batch tensors are not shaped as the example's were."""
+    got = tuple(tuple(t.shape) for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor))
+    if got != want:
+        rows = n * want[0][0] if want and want[0] else "?"
+        raise InputError(
+            f"this step's micro-batch inputs have shapes {list(got)} but the pipeline was "
+            f"built for {list(want)} (the example's batch of {rows} rows in n_microbatches="
+            f"{n}); torch.distributed.pipelining sizes every buffer from the example: step "
+            f"with batches of {rows} rows shaped as the example, or build the pipeline with "
+            "an example of the batch you step with"
+        )
+
+
 def _parameter_slots(modules: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """``(module, name, Parameter)`` for every Parameter entry of the modules' trees."""
     seen: set[int] = set()
@@ -431,6 +448,20 @@ class _Stage(PipelineStage):
     scaled: list[nn.Parameter]
     #: Keys of this rank's tensors materialised from ``meta`` and not loaded yet.
     unloaded: set[str]
+    #: The first stage's micro-batch tensor shapes (positional, then keyword) as built, and
+    #: the number of micro-batches: torch sizes the stages' buffers from them.
+    inputs: tuple[tuple[tuple[int, ...], ...] | None, int]
+
+    def forward_one_chunk(
+        self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *more: Any, **options: Any
+    ) -> Any:
+        """torch's, after refusing micro-batch inputs shaped otherwise than the example's
+        (here, not inside the stage module, whose errors torch rewraps as RuntimeError);
+        nothing of this step has been sent yet."""
+        want, n = self.inputs
+        if want is not None:
+            _check_input_shapes(want, (args, kwargs or {}), n)
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *more, **options)
 
     def clear_runtime_states(self) -> None:
         """Called by every torch schedule on every stage at the start of a step, before
