@@ -415,14 +415,29 @@ def _fail(
     return {}
 
 
-def _wrong_batch(rank: int, world: int) -> dict[str, Any]:
-    """A step, then a step on a batch twice the example's: torch sized every buffer from the
-    example, so the first rank refuses the second step before sending anything."""
-    build, args, kwargs, loss_fn, target = _problem("mlp_residual")
-    pipe = fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn)
-    _step(pipe, args, kwargs, target)
-    _, args, kwargs, _, target = _problem("mlp_residual", 2 * BATCH)
-    _step(pipe, args, kwargs, target)
+class _Scaled(nn.Module):
+    """A keyword argument that is not a tensor: traced as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * scale)
+
+
+def _wrong_inputs(rank: int, world: int, *, what: str) -> dict[str, Any]:
+    """A step, then one the first rank refuses before sending anything: on a batch twice
+    the example's (torch sized every buffer from the example), or with another value of a
+    non-tensor argument (the traced graph holds the example's)."""
+    _, args, _, loss_fn, target = _problem("mlp_residual")
+    pipe = fd.pipeline_schedule(
+        _Scaled(), args, example_kwargs={"scale": 2.0}, n_microbatches=N_MB, loss_fn=loss_fn
+    )
+    _step(pipe, args, {"scale": 2.0}, target)
+    if what == "batch":
+        _, args, _, _, target = _problem("mlp_residual", 2 * BATCH)
+    _step(pipe, args, {"scale": 2.0 if what == "batch" else 3.0}, target)
     return {}
 
 
@@ -836,14 +851,21 @@ def test_meta_model_materialises_and_loads_its_stage(tmp_path: Path, dp: int) ->
 
 
 @pytest.mark.slow
-def test_a_batch_of_another_size_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
-    """Without the check, the last rank received into a buffer of the example's size and
-    aborted (SIGABRT) on the larger batch, the first rank failed in backward on a smaller."""
-    runs = _launch(_wrong_batch, 2, tmp_path, pg_timeout=15)
+@pytest.mark.parametrize("what", ["batch", "constant"])
+def test_inputs_unlike_the_examples_are_refused_before_anything_is_sent(
+    tmp_path: Path, what: str
+) -> None:
+    """Without the checks, the last rank received into a buffer of the example's size and
+    aborted (SIGABRT) on a larger batch; another constant was a RuntimeError of torch's."""
+    runs = _launch(_wrong_inputs, 2, tmp_path, pg_timeout=15, what=what)
     assert all(code != 0 for code, _ in runs), [code for code, _ in runs]
     first = runs[0][1]["error"]
-    assert first.startswith("InputError") and "shapes [(4, 32)]" in first, first
-    assert "built for [(2, 32)]" in first and "batch of 8 rows" in first
+    assert first.startswith("InputError"), first
+    if what == "batch":
+        assert "shapes [(4, 32)]" in first and "built for [(2, 32)]" in first, first
+        assert "batch of 8 rows" in first
+    else:
+        assert "argument scale is 3.0 but the pipeline was traced with 2.0" in first, first
 
 
 @pytest.mark.slow

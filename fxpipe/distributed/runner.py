@@ -118,7 +118,8 @@ class DistributedPipeline:
         earlier = {id(p) for m in before for p in m.parameters()}
         stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
         stage.unloaded = self._own.uninitialised  # emptied in place by the loads
-        stage.inputs = (self._input_shapes if j == 0 else None), self._statistics[1]
+        if j == 0:
+            stage.inputs = binder, self._input_shapes, self._statistics[1]
         return stage
 
     def parameters(self) -> list[nn.Parameter]:
@@ -448,17 +449,20 @@ class _Stage(PipelineStage):
     scaled: list[nn.Parameter]
     #: Keys of this rank's tensors materialised from ``meta`` and not loaded yet.
     unloaded: set[str]
-    #: The first stage's micro-batch tensor shapes (positional, then keyword) as built, and
-    #: the number of micro-batches: torch sizes the stages' buffers from them.
-    inputs: tuple[tuple[tuple[int, ...], ...] | None, int]
+    #: The first stage's: the binder of the model's arguments, the micro-batch tensor shapes
+    #: (positional, then keyword) as built, and the number of micro-batches (torch sizes
+    #: the stages' buffers from the shapes).
+    inputs: tuple[InputBinder | None, tuple[tuple[int, ...], ...] | None, int] = (None, None, 1)
 
     def forward_one_chunk(
         self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *more: Any, **options: Any
     ) -> Any:
-        """torch's, after refusing micro-batch inputs shaped otherwise than the example's
-        (here, not inside the stage module, whose errors torch rewraps as RuntimeError);
-        nothing of this step has been sent yet."""
-        want, n = self.inputs
+        """torch's, after refusing micro-batch inputs that differ from the example's in
+        structure, non-tensor values or shapes (here, not inside the stage module, whose
+        errors torch rewraps as RuntimeError); nothing of this step has been sent yet."""
+        binder, want, n = self.inputs
+        if binder is not None:
+            binder.bind(args, kwargs or {})
         if want is not None:
             _check_input_shapes(want, (args, kwargs or {}), n)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *more, **options)
