@@ -255,6 +255,42 @@ def _batch_checks(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _forgotten_sum(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
+    """The tied-embedding transformer, on a pipeline or (dp=2) a 2 x 2 FSDP mesh: gradient
+    accumulation (two steps, one sum, one update), a load between steps, then an update
+    without the sum, which the next step refuses on every rank holding a copy before
+    anything is sent."""
+    build, args, kwargs, loss_fn, target = _problem("transformer", dp * BATCH)
+    mesh = None
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+        args, kwargs, target = tree_map(
+            lambda t: t.chunk(dp)[mesh.get_local_rank("dp")], (args, kwargs, target)
+        )
+    pipe = fd.pipeline_schedule(
+        build(), args, example_kwargs=kwargs, n_microbatches=N_MB, loss_fn=loss_fn,
+        mesh=mesh, data_parallel="fsdp",
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    for _ in range(2):  # accumulation: two steps, then one sum and one update
+        _step(pipe, args, kwargs, target)
+    pipe.sync_tied_gradients()
+    optimizer.step()
+    optimizer.zero_grad()
+    _step(pipe, args, kwargs, target)
+    pipe.load_stage_state_dict(build().state_dict())  # the same values on every rank
+    _step(pipe, args, kwargs, target)
+    optimizer.step()  # the sum forgotten
+    try:
+        _step(pipe, args, kwargs, target)
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    return {"refused": refused}
+
+
 def _sync(rank: int, world: int) -> dict[str, Any]:
     """``sync_tied_gradients`` sums the copies of a Parameter held on several ranks. fxpipe's
     tracer gives every Parameter one home stage, so the copies here are made up: one held by
@@ -804,6 +840,17 @@ def test_what_splitting_the_batch_changes_is_refused_or_warned_on_every_rank(
         assert r["train"] == [1, 0] and r["eval"] == [0, 0], (r["train"], r["eval"])
         assert "BatchNorm" in r["train_text"] and "pass n_microbatches=1" in r["train_text"]
         assert "deferred_batch_norm" not in r["train_text"]  # not an option here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", sweep([1, 2]))
+def test_an_update_without_summing_tied_gradients_is_refused_at_the_next_step(
+    tmp_path: Path, dp: int
+) -> None:
+    """Forgetting sync_tied_gradients would leave each rank's copy of the tied embedding
+    updated with its own share of the gradient, the copies differing from then on."""
+    for r in _results(_launch(_forgotten_sum, 2 * dp, tmp_path, dp=dp)):
+        assert "['tok.weight']" in r["refused"] and "sync_tied_gradients()" in r["refused"]
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.distributed.mesh import Layout
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
+from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import CheckpointError, ConfigError, InputError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.trace.batch_checks import BatchStatistics
@@ -72,6 +73,7 @@ class DistributedPipeline:
         self._model = model
         self._own = Ownership(model, program, ranks, self.rank)
         self._own.place(device, [model, plan.graph_module, *program.modules])
+        self._tied = TiedGuard(self._own)
         copies = kind in SPLIT_BACKWARD
         self._statistics = statistics, n_microbatches
         self._input_shapes = input_shapes
@@ -118,6 +120,7 @@ class DistributedPipeline:
         earlier = {id(p) for m in before for p in m.parameters()}
         stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
         stage.unloaded = self._own.uninitialised  # emptied in place by the loads
+        stage.tied = self._tied
         if j == 0:
             stage.inputs = binder, self._input_shapes, self._statistics[1]
         return stage
@@ -188,6 +191,7 @@ class DistributedPipeline:
         _check_checkpoint(path, state, self.stage_indices)
         load(state, checkpoint_id=str(path))
         self._own.uninitialised.clear()
+        self._tied.summed()  # the copies now hold the same values
         if optimizer is not None:
             self.load_optimizer_state_dict(optimizer, state["optim"])
 
@@ -204,6 +208,7 @@ class DistributedPipeline:
         the ``meta`` device must be in it (it would hold garbage otherwise).
         """
         missing = self._own.load(full_state_dict)
+        self._tied.summed()  # the copies now hold the same values
         if missing:
             raise ConfigError(
                 f"the state dict lacks {missing[:5]} ({len(missing)} in all) that stage(s) "
@@ -235,10 +240,14 @@ class DistributedPipeline:
         whose stages read it (the plan never sends it with the micro-batches); each copy
         gets the gradient of its own uses, and this sums them, once per step, so that every
         copy has the whole gradient and every rank's optimizer makes the same update.
-        Without such a parameter this does nothing (and communicates nothing).
+        Without such a parameter this does nothing (and communicates nothing). A step after
+        an update of such a copy with no sum in between is refused (ConfigError) on every
+        rank holding one, before anything is sent; several steps per sum (gradient
+        accumulation) are fine.
         """
         if not self._own.replicated:
             return
+        self._tied.summed()
         comm = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         grads = []
         for _, shape, t in self._own.replicated:
@@ -449,6 +458,8 @@ class _Stage(PipelineStage):
     scaled: list[nn.Parameter]
     #: Keys of this rank's tensors materialised from ``meta`` and not loaded yet.
     unloaded: set[str]
+    #: The rank's record of updates to tied copies between steps.
+    tied: TiedGuard
     #: The first stage's: the binder of the model's arguments, the micro-batch tensor shapes
     #: (positional, then keyword) as built, and the number of micro-batches (torch sizes
     #: the stages' buffers from the shapes).
@@ -479,6 +490,7 @@ class _Stage(PipelineStage):
                 "call load_stage_state_dict(full_state_dict) or load_checkpoint(path) on every "
                 "rank before the first step"
             )
+        self.tied.step_started()
         super().clear_runtime_states()
 
     def scale_grads(self, grad_scale_factor: int) -> None:
