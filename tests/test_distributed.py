@@ -188,23 +188,26 @@ def _train(
     }
 
 
-def _bits(rank: int, world: int, *, name: str, n_mb: int) -> dict[str, Any]:
-    """The eager model's gradients on this rank (one thread, as the stages run), and which
-    of the pipeline's gradients, tied copies summed, have exactly eager's bits."""
+def _bits(rank: int, world: int, *, name: str, n_mbs: tuple[int, ...]) -> dict[int, Any]:
+    """The eager model's gradients on this rank (one thread, as the stages run), and, for a
+    pipeline of each number of micro-batches, which of its gradients (tied copies summed)
+    have exactly eager's bits."""
     build, args, kwargs, loss_fn, target = _problem(name)
     eager = build()
     loss_fn(eager(*args, **kwargs), target).backward()
-    pipe = fd.pipeline_schedule(
-        build(), args, example_kwargs=kwargs, n_microbatches=n_mb, loss_fn=loss_fn,
-    )  # fmt: skip
-    _step(pipe, args, kwargs, target)
-    pipe.sync_tied_gradients()
     want = dict(eager.named_parameters())
-    own = dict(pipe.named_parameters())
-    return {
-        "equal": {k: torch.equal(p.grad, want[k].grad) for k, p in own.items()},
-        "replicated": pipe.replicated_keys,
-    }
+    out = {}
+    for n_mb in n_mbs:
+        pipe = fd.pipeline_schedule(
+            build(), args, example_kwargs=kwargs, n_microbatches=n_mb, loss_fn=loss_fn,
+        )  # fmt: skip
+        _step(pipe, args, kwargs, target)
+        pipe.sync_tied_gradients()
+        out[n_mb] = {
+            "equal": {k: torch.equal(p.grad, want[k].grad) for k, p in pipe.named_parameters()},
+            "replicated": pipe.replicated_keys,
+        }
+    return out
 
 
 class _FixedRows(nn.Module):
@@ -817,10 +820,9 @@ def test_a_tied_weights_summed_copies_have_eagers_bits_at_one_micro_batch(
     the step is one micro-batch (eager's autograd adds the same two terms); with several,
     no gradient (tied or not) is: each is a sum over micro-batches, rounded otherwise than
     the whole batch's (the other tests compare those within float32 rounding)."""
+    runs = _results(_launch(_bits, 2, tmp_path, name="transformer", n_mbs=(1, N_MB)))
     for n_mb, exact in ((1, True), (N_MB, False)):
-        folder = tmp_path / f"m{n_mb}"
-        folder.mkdir()
-        results = _results(_launch(_bits, 2, folder, name="transformer", n_mb=n_mb))
+        results = [r[n_mb] for r in runs]
         assert all(r["replicated"] == ("tok.weight",) for r in results)
         equal = {k: v for r in results for k, v in r["equal"].items()}
         assert len(equal) > 10 and "tok.weight" in equal
