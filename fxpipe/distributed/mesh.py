@@ -56,9 +56,9 @@ class Layout:
         ``"dp"``, else as is. DDP does not broadcast buffers each forward (one collective
         per micro-batch): the replicas start equal and update them alike, except batch-norm
         running statistics, which each updates from its own micro-batches (warned about at
-        the first step). ``fully_shard``
-        keeps the gathered parameters from the first forward to the last backward of a step
-        (``reshard_after_forward=False``: one gather per step, not one per micro-batch)."""
+        the first step). ``fully_shard`` keeps the gathered parameters from the first
+        forward to the last backward of a step (``reshard_after_forward=False``: one gather
+        per step, not one per micro-batch)."""
         if self.dp_group is None:
             return module
         if self.data_parallel == "fsdp":

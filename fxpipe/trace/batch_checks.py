@@ -146,7 +146,7 @@ def check_micro_batches(
         for size in sorted({-(-batch // parts), batch // parts} - {batch}, reverse=True):
             failure = _failure(gm, values, size)
             if failure is not None and _failure(gm, values, batch) is None:
-                raise PlanError(_sizes_message(*failure, size, batch, f"{option}={chunks}"))
+                raise PlanError(_sizes_message(*failure, size, batch, option, chunks))
 
 
 def _example_rows(values: tuple[Any, ...]) -> int | None:
@@ -183,17 +183,18 @@ class _NodeTracking(fx.Interpreter):
         return super().run_node(n)
 
 
-def _sizes_message(node: fx.Node, error: Exception, size: int, batch: int, split: str) -> str:
+def _sizes_message(
+    node: fx.Node, error: Exception, size: int, batch: int, option: str, chunks: int
+) -> str:
     path = module_path(node)
     where = f"at {_call_text(node)} " + (f"in module {path!r}" if path else "in forward")
     source = _source_line(node)
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (
         f"the model runs on the example batch of {batch} rows but not on its micro-batches "
-        f"of {size} rows ({split}): {where}{source}: {first}. A batch size written "
+        f"of {size} rows ({option}={chunks}): {where}{source}: {first}. A batch size written "
         "into the model fits only batches of that size: compute it from the input "
-        f"(x.shape[0], or -1 in reshape/view), or pass {split.split('=')[0]}=1 to run whole "
-        "batches"
+        f"(x.shape[0], or -1 in reshape/view), or pass {option}=1 to run whole batches"
     )
 
 
