@@ -375,7 +375,9 @@ class _StageModule(nn.Module):
             out = tuple(t.clone() if t._is_view() else t for t in out)
         if self._take is None:
             return tuple(t.clone() if self._copies else t.contiguous() for t in out)
-        picked = tuple(out[i].view_as(out[i]) if self._copies else out[i] for i in self._take)
+        picked = tuple(out[i] for i in self._take)
+        if self._copies:  # a view is enough on the last stage, but not one FSDP sees
+            picked = tuple(t.clone() if self.no_views else t.view_as(t) for t in picked)
         return picked[0] if len(picked) == 1 else picked
 
 
