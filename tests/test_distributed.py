@@ -804,6 +804,15 @@ def test_two_stages_per_rank(tmp_path: Path, schedule: str, stages: list[Any]) -
 
 
 @pytest.mark.slow
+def test_zero_bubble_sends_a_stage_output_that_is_transposed(tmp_path: Path) -> None:
+    """A stage of the Llama-shaped zoo model ends on a transposed tensor; under zero bubble the
+    stage hands out copies, which kept its strides, and gloo refuses to send them ("input
+    tensor has to be contiguous") until the copies were made contiguous."""
+    runs = _launch(_train, 2, tmp_path, name="llama", schedule="interleavedzerobubble", spr=2)
+    _check_against_eager("llama", _results(runs))
+
+
+@pytest.mark.slow
 def test_a_tied_embedding_is_held_by_each_rank_using_it_and_summed_once(
     tmp_path: Path,
 ) -> None:

@@ -374,7 +374,12 @@ class _StageModule(nn.Module):
         if self.no_views:
             out = tuple(t.clone() if t._is_view() else t for t in out)
         if self._take is None:
-            return tuple(t.clone() if self._copies else t.contiguous() for t in out)
+            # torch sends what it is given, and gloo and NCCL send contiguous tensors only
+            # (clone keeps a transposed output's strides)
+            dense = torch.contiguous_format
+            return tuple(
+                t.clone(memory_format=dense) if self._copies else t.contiguous() for t in out
+            )
         picked = tuple(out[i] for i in self._take)
         if self._copies:  # a view is enough on the last stage, but not one FSDP sees
             picked = tuple(t.clone() if self.no_views else t.view_as(t) for t in picked)
