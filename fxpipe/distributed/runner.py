@@ -75,7 +75,7 @@ class DistributedPipeline:
         self._own.place(device, [model, plan.graph_module, *program.modules])
         self._tied = TiedGuard(self._own)
         copies = kind in SPLIT_BACKWARD
-        self._statistics = statistics, n_microbatches
+        self._statistics, self._n_microbatches = statistics, n_microbatches
         self._input_shapes = input_shapes
         slots = _parameter_slots(self.stage_modules)
         self.stages = tuple(
@@ -106,7 +106,6 @@ class DistributedPipeline:
             outputs = tuple(outputs[i] for i in take)
         module = _StageModule(program.modules[j], binder, take, copies)
         module.no_views = self.layout.sharded
-        module.statistics = self._statistics
         stage = _Stage(
             self.layout.wrap(module, self.device),
             j,
@@ -121,8 +120,9 @@ class DistributedPipeline:
         stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
         stage.unloaded = self._own.uninitialised  # emptied in place by the loads
         stage.tied = self._tied
+        stage.statistics, stage.n_microbatches = self._statistics, self._n_microbatches
         if j == 0:
-            stage.inputs = binder, self._input_shapes, self._statistics[1]
+            stage.binder, stage.input_shapes = binder, self._input_shapes
         return stage
 
     def parameters(self) -> list[nn.Parameter]:
@@ -358,14 +358,8 @@ class _StageModule(nn.Module):
         # Under FSDP, outputs that are views are copied: FSDP's pre-backward hook on an
         # output would be lost to an in-place write through a view of it.
         self.no_views = False
-        # The model's batch-statistics layers and the number of micro-batches: warned about
-        # once, at the first call that normalises micro-batches with their own statistics.
-        self.statistics: tuple[BatchStatistics | None, int] = (None, 1)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        statistics, n_microbatches = self.statistics
-        if statistics is not None:
-            statistics.warn_once(n_microbatches)
         if self._binder is not None:
             args = self._binder.bind(args, kwargs)
         elif self._copies:
@@ -460,17 +454,23 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
 class _Stage(PipelineStage):
     """A PipelineStage that scales a Parameter shared with an earlier stage of its rank once
     (torch scales every stage's parameters, so such a Parameter would be scaled twice), and
-    refuses to run a step while tensors it materialised from ``meta`` are unloaded."""
+    checks each step before it sends anything: refuses unloaded ``meta`` tensors, tied
+    copies updated without a sum, and inputs unlike the example's; warns once about batch
+    statistics."""
 
     scaled: list[nn.Parameter]
     #: Keys of this rank's tensors materialised from ``meta`` and not loaded yet.
     unloaded: set[str]
     #: The rank's record of updates to tied copies between steps.
     tied: TiedGuard
-    #: The first stage's: the binder of the model's arguments, the micro-batch tensor shapes
-    #: (positional, then keyword) as built, and the number of micro-batches (torch sizes
-    #: the stages' buffers from the shapes).
-    inputs: tuple[InputBinder | None, tuple[tuple[int, ...], ...] | None, int] = (None, None, 1)
+    #: The model's batch-statistics layers, warned about once per pipeline at the first
+    #: step that normalises micro-batches with their own statistics; the micro-batch count.
+    statistics: BatchStatistics | None = None
+    n_microbatches: int = 1
+    #: The first stage's: the binder of the model's arguments, and the micro-batch tensor
+    #: shapes (positional, then keyword) as built, from which torch sizes every buffer.
+    binder: InputBinder | None = None
+    input_shapes: tuple[tuple[int, ...], ...] | None = None
 
     def forward_one_chunk(
         self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *more: Any, **options: Any
@@ -478,11 +478,10 @@ class _Stage(PipelineStage):
         """torch's, after refusing micro-batch inputs that differ from the example's in
         structure, non-tensor values or shapes (here, not inside the stage module, whose
         errors torch rewraps as RuntimeError); nothing of this step has been sent yet."""
-        binder, want, n = self.inputs
-        if binder is not None:
-            binder.bind(args, kwargs or {})
-        if want is not None:
-            _check_input_shapes(want, (args, kwargs or {}), n)
+        if self.binder is not None:
+            self.binder.bind(args, kwargs or {})
+        if self.input_shapes is not None:
+            _check_input_shapes(self.input_shapes, (args, kwargs or {}), self.n_microbatches)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *more, **options)
 
     def clear_runtime_states(self) -> None:
@@ -498,6 +497,8 @@ class _Stage(PipelineStage):
                 "rank before the first step"
             )
         self.tied.step_started()
+        if self.statistics is not None:
+            self.statistics.warn_once(self.n_microbatches)
         super().clear_runtime_states()
 
     def scale_grads(self, grad_scale_factor: int) -> None:
