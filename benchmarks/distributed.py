@@ -252,8 +252,8 @@ MODES = (
     ("halves", 2),
 )
 PIPELINES = ("gpipe", "1f1b", "zbv")
-#: The layouts fd.suggest_layout predicts (it does not model the zero-bubble schedules).
-LAYOUTS = ("gpipe", "1f1b", "ddp", "fsdp")
+#: The layouts fd.suggest_layout predicts (all but the halves, which is no layout).
+LAYOUTS = ("gpipe", "1f1b", "zbv", "ddp", "fsdp")
 
 
 def measure(rounds: int, warmup: int, steps: int) -> tuple[dict[str, list[Any]], list[float]]:
@@ -313,14 +313,15 @@ def predict(rows: list[dict[str, Any]]) -> dict[str, float]:
     torch.set_num_threads(1)
     x, _ = _batch()
     layouts = fd.suggest_layout(
-        _model(), x, 2, cost="time", device="cpu", schedules=("gpipe", "1f1b"),
+        _model(), x, 2, cost="time", device="cpu", schedules=("gpipe", "1f1b", "zbvzerobubble"),
         chunks=(1, CHUNKS), link_bandwidth=LOOPBACK, dp_bandwidth=LOOPBACK,
         data_parallel=("ddp", "fsdp"),
     )  # fmt: skip
-    wanted = {"gpipe": (2, 1, CHUNKS), "1f1b": (2, 1, CHUNKS), "ddp": (1, 2, 1), "fsdp": (1, 2, 1)}
+    wanted = {"gpipe": (2, 1, CHUNKS), "1f1b": (2, 1, CHUNKS), "zbv": (2, 1, CHUNKS),
+              "ddp": (1, 2, 1), "fsdp": (1, 2, 1)}  # fmt: skip
     out = {}
     for mode, (pp, dp, m) in wanted.items():
-        schedule = mode if pp > 1 else None
+        schedule = {"zbv": "zbvzerobubble"}.get(mode, mode) if pp > 1 else None
         kind = mode if dp > 1 else "ddp"
         (layout,) = [
             e

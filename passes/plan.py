@@ -29,7 +29,14 @@ from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
 from fxpipe.passes.ops import held_parameters, module_path
 from fxpipe.passes.partition import Partition
 
-__all__ = ["build_plan", "stage_memory", "stage_span", "training_overflow", "PARAM_COPIES"]
+__all__ = [
+    "build_plan",
+    "stage_memory",
+    "stage_parameters",
+    "stage_span",
+    "training_overflow",
+    "PARAM_COPIES",
+]
 
 
 def build_plan(
@@ -135,18 +142,25 @@ def _edges(
 
 
 def _param_bytes(gm: fx.GraphModule, nodes: tuple[str, ...], shared: frozenset[str]) -> int:
-    """Bytes of the parameters the stage holds: its nodes', and those of the replicated
-    attributes its nodes read (each reading stage names its own)."""
+    """Bytes of the parameters the stage holds (:func:`stage_parameters`)."""
+    return sum(p.numel() * p.element_size() for p in stage_parameters(gm, nodes, shared))
+
+
+def stage_parameters(
+    gm: fx.GraphModule, nodes: Sequence[str], shared: Container[str]
+) -> list[torch.nn.Parameter]:
+    """The parameters a stage of ``nodes`` holds, each once: its nodes', and those of the
+    replicated attributes (``shared``) its nodes read, which each reading stage holds."""
     seen: set[int] = set()
-    total = 0
+    out = []
     by_name = {n.name: n for n in gm.graph.nodes}
     read = {a.name for n in nodes for a in by_name[n].all_input_nodes if a.name in shared}
     for name in [*nodes, *sorted(read - set(nodes))]:
         for p in held_parameters(gm, by_name[name]):
             if id(p) not in seen:
                 seen.add(id(p))
-                total += p.numel() * p.element_size()
-    return total
+                out.append(p)
+    return out
 
 
 def stage_memory(

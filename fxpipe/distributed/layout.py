@@ -1,7 +1,8 @@
 """Ranks pipeline x data-parallel layouts of a model by predicted step time and memory.
 
 A layout is ``pp`` pipeline ranks x ``dp`` replicas (``pp * dp == world_size``), ``v``
-stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement), ``m``
+stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement; ZBV's V
+below), ``m``
 micro-batches per replica and a schedule. ``example_input`` is the global batch: each
 replica gets ``batch / dp`` rows in ``m`` equal micro-batches (``dp`` must divide the
 batch, ``m`` the replica's rows). The model is traced and priced once, for the whole batch;
@@ -12,17 +13,18 @@ Step time. A stage's cost (FLOP / ``device_flops``, or roofline or profiled seco
 the whole batch, so one micro-batch takes ``t_j = cost_j / (dp m)`` (the roofline's
 per-kernel and per-weight cost, found by pricing at one and two micro-batches, is added
 once per micro-batch). ``T_r`` sums rank r's stages; ``C_r`` moves the values entering
-them (activations forward, gradients back, relayed ones included) over ``link_bandwidth``;
-``G_r`` is the bytes of its gradients::
+them from another rank (activations forward, gradients back, relayed ones included) over
+``link_bandwidth``; ``G_r`` is the bytes of its gradients::
 
     compute   = m * max_r T_r                              busy time of the busiest rank
-    bubble    = (sum_r T_r - max_r T_r) / v                fill and drain
-    pipeline  = m * max_r U_r + (sum_r U_r - max_r U_r) / v,   U_r = T_r + C_r
+    bubble    = z (sum_r T_r - max_r T_r) / v              fill and drain
+    pipeline  = m * max_r U_r + z (sum_r U_r - max_r U_r) / v,   U_r = T_r + C_r
     p2p       = pipeline - compute - bubble                sends the critical path waits for
     allreduce = 2 (dp - 1) / dp * max_r G_r / dp_bandwidth ring all-reduce, not overlapped
     step      = pipeline + allreduce
 
-With equal ranks, ``bubble / compute`` is Narayanan et al.'s bubble time fraction (SC'21,
+where ``z`` is 1 but for the zero-bubble schedules (below). With equal ranks,
+``bubble / compute`` is Narayanan et al.'s bubble time fraction (SC'21,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2):
 ``(p - 1) / m`` for GPipe and 1F1B ("the time spent in the bubble is the same"), and
 ``(1 / v) (p - 1) / m`` for the interleaved schedule, whose stage passes take ``t / v``;
@@ -34,6 +36,20 @@ rounds, ``max(1, m // pp)``). Looped BFS (Lamy-Poirier, MLSys 2023, "Breadth-Fir
 Parallelism") loops the stages over the ranks as interleaving does and gets the same fill
 here; what it gains, reducing gradients (and FSDP's gathers) while later stages compute, is
 not modelled.
+
+Zero bubble (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism") splits each backward
+into an input-gradient and a weight-gradient pass and fills the bubble with the latter. Its
+authors' comparison, with forward, input and weight passes of equal time, gives 1F1B a
+bubble rate of ``(p - 1) / m``, ZB1P ``(p - 1) / (3 m)`` and ZBV 0, at 1F1B's activation
+memory, ZBV with twice its sends. So the fill term above is multiplied by 1/3 for torch's
+interleaved zero bubble (ZB1P, looped over ``v`` stages per rank) and by 0 for ZBV, whose
+``2 pp`` stages sit in a V (rank r holds r and ``2 pp - 1 - r``: the border at the V's tip
+sends nothing) and which needs ``m >= 2 pp - 1`` micro-batches (torch's count to fill it).
+A backward computed in two passes costs more than in one where its kernels run apart (on one
+CPU thread here, 15% more for ZBV than GPipe: ``benchmarks/distributed.py``); that is not
+priced. With replicas the zero-bubble schedules run under FSDP only, and FSDP only where no
+weight is read by two stages of one rank, as ``fd.pipeline_schedule`` decides: the others
+are left out.
 
 Memory per rank, in training: :func:`fxpipe.passes.plan.stage_memory` of each of its
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
@@ -49,8 +65,12 @@ priced alike. In flight: all ``m`` for GPipe; ``min(m, pp - r)``
 for 1F1B ("activations to be stashed for p or fewer microbatches", ibid.); for interleaved
 1F1B torch's warm-up count plus one, ``(v - 1) * (m // rounds) + 2 (pp - 1 - r) + 1`` stage
 passes (at most ``m v``), spread evenly over the rank's stages and rounded up to whole
-micro-batches; for looped BFS, which runs every forward of a stage before the next, all
-``m`` of every stage. ``fd.pipeline_schedule`` checkpoints nothing: ``checkpoint="never"``.
+micro-batches; for interleaved zero bubble ``(v - 1) * (m // rounds) + pp`` (a shorter
+warm-up, and the weight passes ``r`` behind, whose activations stay until they run); for
+ZBV ``2 pp - r`` on rank r's first stage and ``r + 1`` on its second (each at most ``m``);
+for looped BFS, which runs every forward of a stage before the next, all ``m`` of every
+stage. These are the peaks of torch's own orders (its schedule classes' action lists).
+``fd.pipeline_schedule`` checkpoints nothing: ``checkpoint="never"``.
 """
 
 from __future__ import annotations
@@ -80,9 +100,9 @@ from fxpipe.model_state import preserved
 from fxpipe.options import check_choice, check_slack
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.memory import param_copies
-from fxpipe.passes.nx_graph import replicate_shared_weights, to_networkx
+from fxpipe.passes.nx_graph import replicate_shared_weights, replicated_attrs, to_networkx
 from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.plan import build_plan, stage_memory
+from fxpipe.passes.plan import build_plan, stage_memory, stage_parameters
 from fxpipe.trace.tracing import Traced, fake_runnable
 
 __all__ = [
@@ -98,8 +118,24 @@ __all__ = [
 ]
 
 #: Schedules ranked, spelled as ``fd.pipeline_schedule`` takes them (lower case).
-LAYOUT_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs")
-_LOOPED = frozenset({"interleaved1f1b", "loopedbfs"})
+LAYOUT_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved1f1b",
+    "loopedbfs",
+    "interleavedzerobubble",
+    "zbvzerobubble",
+)
+#: Several stages per rank, rank r holding r, r + pp, ... (torch's looped placement).
+_LOOPED = frozenset({"interleaved1f1b", "loopedbfs", "interleavedzerobubble"})
+#: Two stages per rank in a V: rank r holds r and 2 pp - 1 - r.
+_V_SHAPED = frozenset({"zbvzerobubble"})
+#: The part of the fill and drain a schedule leaves idle, with forward, input-gradient and
+#: weight-gradient passes of equal time (the zero-bubble authors' table: 1F1B (p - 1) / m,
+#: ZB1P (p - 1) / (3 m), ZBV 0); 1 for the schedules that do not split backward.
+_IDLE_FILL = {"interleavedzerobubble": 1 / 3, "zbvzerobubble": 0.0}
+#: Schedules that run the micro-batches in torch's equal rounds of ``m // pp``.
+_ROUNDS = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 #: Peak dense 16-bit FLOP/s of an A100 (Narayanan et al. 2021, §5: 312 teraFLOP/s).
 A100_BF16_FLOPS = 312e12
 #: Fraction of peak reached; Megatron-LM's Table 1 reports 44-52% (46% for its 7.5B GPT).
@@ -183,6 +219,8 @@ class _Split:
     fixed_s: tuple[float, ...]
     #: Per stage: bytes entering it (relayed values, gradients back included), whole batch.
     received: tuple[int, ...]
+    #: Per stage: the ids of the Parameters it holds (a tied weight: in every reading stage).
+    params: tuple[frozenset[int], ...]
 
 
 def suggest_layout(
@@ -219,7 +257,8 @@ def suggest_layout(
             ``"auto"`` (seconds on a reference device of ``device``'s kind) or ``"time"``
             (profiled on ``device``, which must be here; not for a model on ``meta``).
         schedules: names from :data:`LAYOUT_SCHEDULES`; the looped ones (interleaved 1F1B,
-            looped BFS) are tried with each of ``virtual`` stages per rank, 2 or more.
+            looped BFS, interleaved zero bubble) are tried with each of ``virtual`` stages
+            per rank, 2 or more; ZBV always has 2.
         data_parallel: ``"ddp"``, ``"fsdp"`` or both: how the replicas of layouts with
             ``dp > 1`` share the gradients, as ``fd.pipeline_schedule`` takes it.
         chunks: micro-batch counts per replica to try (default: every count that divides a
@@ -274,7 +313,7 @@ def suggest_layout(
             splits[k] = _split(priced, k, checkpoint, slack)
         found = splits[k]
         for kind in kinds if dp > 1 else ("ddp",):
-            if found is not None:
+            if found is not None and _runs(found, schedule, pp, v, dp, kind):
                 shape = (pp, dp, v, m)
                 out.append(_estimate(found, priced, shape, schedule, checkpoint, rates, kind))
     if not out:
@@ -341,7 +380,7 @@ def _schedules(schedules: Any) -> tuple[str, ...]:
         raise ConfigError(
             f"schedules={schedules!r} must name one or more of {LAYOUT_SCHEDULES}"
             + (f" ({bad[0]!r} is not one)" if bad else "")
-            + "; the zero-bubble schedules split backward in two and are not ranked"
+            + "; DualPipeV is not ranked"
         )
     return tuple(dict.fromkeys(names))
 
@@ -444,7 +483,9 @@ def _split(priced: _Priced, k: int, checkpoint: str, slack: float) -> _Split | N
         size = e.bytes * (2 if costs.nodes[e.value].requires_grad else 1)
         for j in range(e.producer + 1, max(e.consumers) + 1):
             received[j] += size
-    return _Split(plan, tuple(scaled), tuple(fixed), tuple(received))
+    shared = replicated_attrs(gm)
+    params = tuple(frozenset(map(id, stage_parameters(gm, s.nodes, shared))) for s in plan.stages)
+    return _Split(plan, tuple(scaled), tuple(fixed), tuple(received), params)
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -465,14 +506,16 @@ def _candidates(
         replica = batch // dp
         counts = [m for m in (wanted or _divisors(replica)) if replica % m == 0]
         for schedule in schedules:
-            looped = schedule in _LOOPED
-            if looped and pp == 1:
+            looped, v_shaped = schedule in _LOOPED, schedule in _V_SHAPED
+            if (looped or v_shaped) and pp == 1:
                 continue
-            for v in loops if looped else (1,):
+            for v in loops if looped else (2,) if v_shaped else (1,):
                 for m in counts:
-                    uneven = schedule == "interleaved1f1b" and m % _rounds(m, pp) != 0
+                    uneven = schedule in _ROUNDS and m % _rounds(m, pp) != 0
                     if looped and (m < pp or uneven):
                         continue  # the loop would stall; torch refuses uneven rounds
+                    if v_shaped and m < 2 * pp - 1:
+                        continue  # torch's V needs 2 pp - 1 micro-batches to fill
                     yield pp, dp, v, m, schedule
 
 
@@ -481,8 +524,32 @@ def _divisors(n: int) -> list[int]:
 
 
 def _rounds(m: int, pp: int) -> int:
-    """torch's interleaved 1F1B rounds: ``max(1, m // pp)``; ``m`` must be a multiple."""
+    """torch's interleaved rounds: ``max(1, m // pp)``; ``m`` must be a multiple."""
     return max(1, m // pp)
+
+
+def _placement(schedule: str, pp: int, v: int) -> list[tuple[int, ...]]:
+    """The stages of each pipeline rank, as ``fd.pipeline_schedule`` places them."""
+    if schedule in _V_SHAPED:
+        return [(r, 2 * pp - 1 - r) for r in range(pp)]
+    return [tuple(range(r, pp * v, pp)) for r in range(pp)]
+
+
+def _runs(split: _Split, schedule: str, pp: int, v: int, dp: int, data_parallel: str) -> bool:
+    """Whether ``fd.pipeline_schedule`` runs the layout: with replicas, a zero-bubble
+    schedule only under FSDP (DDP's all-reduce misses the weight parts), and FSDP only when
+    no Parameter is read by two stages of one rank (it shards each stage alone)."""
+    from fxpipe.distributed.mesh import SPLIT_BACKWARD
+
+    if dp == 1:
+        return True
+    if data_parallel == "ddp":
+        return schedule not in SPLIT_BACKWARD
+    for stages in _placement(schedule, pp, v):
+        held = [split.params[j] for j in stages]
+        if sum(len(h) for h in held) != len(frozenset().union(*held)):
+            return False
+    return True
 
 
 def _estimate(
@@ -495,15 +562,20 @@ def _estimate(
     data_parallel: str = "ddp",
 ) -> LayoutEstimate:
     pp, dp, v, m = shape
-    ranks = [range(r, pp * v, pp) for r in range(pp)]
+    ranks = _placement(schedule, pp, v)
+    rank_of = {j: r for r, js in enumerate(ranks) for j in js}
     share = 1.0 / (dp * m)  # of the global batch, per micro-batch
     t = [s * share + f for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]
-    sends = [0.0] + [b * share / rates[0] if pp > 1 else 0.0 for b in split.received[1:]]
+    sends = [  # nothing crosses a border between two stages of one rank
+        b * share / rates[0] if j > 0 and rank_of[j] != rank_of[j - 1] else 0.0
+        for j, b in enumerate(split.received)
+    ]
     busy = [sum(t[j] for j in js) for js in ranks]
     with_sends = [b + sum(sends[j] for j in js) for b, js in zip(busy, ranks, strict=True)]
+    idle = _IDLE_FILL.get(schedule, 1.0) / v
     compute = m * max(busy)
-    bubble = (sum(busy) - max(busy)) / v
-    pipeline = m * max(with_sends) + (sum(with_sends) - max(with_sends)) / v
+    bubble = idle * (sum(busy) - max(busy))
+    pipeline = m * max(with_sends) + idle * (sum(with_sends) - max(with_sends))
     grads = max(sum(split.plan.stages[j].param_bytes for j in js) for js in ranks)
     allreduce = 2 * (dp - 1) / dp * grads / rates[1]
     memory = max(_rank_memory(split, priced, js, r, shape, schedule, checkpoint, data_parallel)
@@ -528,23 +600,29 @@ def _estimate(
     )
 
 
-def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> int:
-    """Stage passes (one micro-batch through one stage) whose activations rank ``r`` holds
-    at its peak; torch's schedules (interleaved: its warm-up count, plus the one running)."""
+def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> tuple[int, ...]:
+    """Micro-batches whose activations each stage of rank ``r`` holds (in the order of
+    :func:`_placement`) at the rank's peak, in torch's orders. Looped: the rank's stage
+    passes, its warm-up count plus the one running, spread evenly over its stages."""
+    if schedule in _V_SHAPED:  # warm-up: 2 pp - 1 - r passes of r's first stage, r + 1 of
+        return min(m, 2 * pp - r), min(m, r + 1)  # its second; then one in, one out of each
     if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(m, pp - r)
-    if schedule == "loopedbfs":
-        return m * v
-    per_round = m // _rounds(m, pp)
-    return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - r) + 1)
+        passes = m
+    elif schedule == "1f1b":
+        passes = min(m, pp - r)
+    elif schedule == "loopedbfs":
+        passes = m * v
+    else:  # interleaved 1F1B: 2 (pp - 1 - r) + 1 ahead; zero bubble: pp - 1 - r + 1 ahead,
+        per_round = m // _rounds(m, pp)  # and its weight parts r passes late, holding theirs
+        ahead = pp if schedule == "interleavedzerobubble" else 2 * (pp - 1 - r) + 1
+        passes = min(m * v, (v - 1) * per_round + ahead)
+    return (max(1, math.ceil(passes / v)),) * v
 
 
 def _rank_memory(
     split: _Split,
     priced: _Priced,
-    stages: range,
+    stages: Sequence[int],
     r: int,
     shape: tuple[int, int, int, int],
     schedule: str,
@@ -556,10 +634,9 @@ def _rank_memory(
     scaled to ``f`` micro-batches of ``batch / (dp m)`` rows), plus DDP's gradient buckets,
     or with FSDP the whole weights and gradients and a ``1 / dp`` shard of the rest."""
     pp, dp, v, m = shape
-    f = max(1, math.ceil(_in_flight(schedule, pp, v, m, r) / v))
     k = split.plan.num_stages
     total = 0.0
-    for j in stages:
+    for j, f in zip(stages, _in_flight(schedule, pp, v, m, r), strict=True):
         stage = split.plan.stages[j]
         whole = stage_memory(stage, priced.costs, chunks=f, checkpoint=checkpoint,
                              last=j == k - 1)  # fmt: skip

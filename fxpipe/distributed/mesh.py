@@ -24,14 +24,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["DATA_PARALLEL", "Layout", "check_sharding", "mesh_layout"]
+__all__ = ["DATA_PARALLEL", "SPLIT_BACKWARD", "Layout", "check_sharding", "mesh_layout"]
 
 #: ``data_parallel=`` values: torch's DDP, or FSDP2's ``fully_shard``, over the ``"dp"`` group.
 DATA_PARALLEL = ("ddp", "fsdp")
-#: Schedules that split backward into input and weight parts: DDP's hooks do not follow
-#: them (its all-reduce misses the weight parts: wrong gradients, no error); FSDP2's
-#: reduce-scatter runs once the schedule has run every weight part.
-_SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+#: Schedules that split backward into input and weight parts (zero bubble): DDP's hooks do
+#: not follow them (its all-reduce misses the weight parts: wrong gradients, no error);
+#: FSDP2's reduce-scatter runs once the schedule has run every weight part.
+SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def mesh_layout(
             "both mesh and group were given; the pipeline's group is the mesh's 'pp' "
             "dimension: pass mesh alone"
         )
-    if schedule in _SPLIT_BACKWARD:
+    if schedule in SPLIT_BACKWARD:
         _check_split_backward(schedule, data_parallel)
     dp = mesh["dp"]
     size = dp.size()

@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.distributed.mesh import Layout
+from fxpipe.distributed.mesh import SPLIT_BACKWARD, Layout
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import CheckpointError, ConfigError, InputError
@@ -24,10 +24,8 @@ from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
 
-__all__ = ["DistributedPipeline", "SPLIT_BACKWARD"]
+__all__ = ["DistributedPipeline"]
 
-#: Schedules that run backward as separate input and weight parts (zero bubble).
-SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
 Metas = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
