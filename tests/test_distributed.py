@@ -1,7 +1,8 @@
 """fxpipe.distributed against eager PyTorch: several processes on the CPU, gloo on loopback.
 
-Each test starts its ranks with torch.multiprocessing (spawn), joins every one of them under
-a hard time limit (killing the rest and failing past it), and reads what each rank saved.
+Each test starts its ranks with torch.multiprocessing (from a fork server), joins every one
+of them under a hard time limit (killing the rest and failing past it), and reads what each
+rank saved.
 Losses are sum-reduced with ``scale_grads=False``, so the summed micro-batch losses and the
 gradients equal the eager model's on the whole batch (one test uses ``scale_grads=True`` and
 compares with the eager gradients divided by the number of micro-batches).
@@ -571,9 +572,16 @@ def _entry(
     dist.destroy_process_group()
 
 
+#: Ranks start from a fork server that has imported torch, fxpipe and this module once, so
+#: that each launch does not import them again in every rank (fork before any torch thread
+#: or process group exists: the server only imports).
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "fxpipe.distributed", __name__])
+
+
 def _launch(job: Callable[..., Any], world: int, tmp: Path, **options: Any) -> list[Any]:
     """Run ``job`` on ``world`` ranks; (exit code, saved result or None) per rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _CONTEXT
     port = _free_port()
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, str(tmp), job, options), daemon=True)

@@ -2,7 +2,7 @@
 eager PyTorch: two processes on the CPU, gloo on loopback, cost="flops" and cost="time".
 
 The models are tiny configs built in float64 (no download). Two ranks start once per cost
-(the launcher of ``test_distributed.py``: spawn, a hard time limit, results read back) and
+(the launcher of ``test_distributed.py``: a fork server, a hard time limit, results read back) and
 pipeline every model in turn, each for one 1F1B step with a sum-reduced LM loss; each test
 compares one model's loss and every parameter gradient with the eager model's on the whole
 batch. One Llama makes its rotary tables with autocast off, as transformers 4.x writes it:
