@@ -192,7 +192,6 @@ def _torch_peaks(actions: list[object], stages: tuple[int, ...]) -> tuple[tuple[
             live[a.stage_index] += 1  # type: ignore[attr-defined]
         elif a.computation_type in (kinds.FULL_BACKWARD, kinds.BACKWARD_WEIGHT):  # type: ignore[attr-defined]
             live[a.stage_index] -= 1  # type: ignore[attr-defined]
-        most.update({j: 0 for j in stages})
         for j in stages:
             most[j] = max(most[j], live[j])
         total = max(total, sum(live.values()))

@@ -1,13 +1,12 @@
 """Ranks pipeline x data-parallel layouts of a model by predicted step time and memory.
 
 A layout is ``pp`` pipeline ranks x ``dp`` replicas (``pp * dp == world_size``), ``v``
-stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement; ZBV's V
-below), ``m``
-micro-batches per replica and a schedule. ``example_input`` is the global batch: each
-replica gets ``batch / dp`` rows in ``m`` equal micro-batches (``dp`` must divide the
-batch, ``m`` the replica's rows). The model is traced and priced once, for the whole batch;
-each stage count ``pp * v`` is split once by fxpipe's own search, with relayed boundary
-values, as ``fd.pipeline_schedule`` plans it (pass it the same ``slack``).
+stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement; for ZBV, a V,
+below), ``m`` micro-batches per replica and a schedule. ``example_input`` is the global
+batch: each replica gets ``batch / dp`` rows in ``m`` equal micro-batches (``dp`` must
+divide the batch, ``m`` the replica's rows). The model is traced and priced once, for the
+whole batch; each stage count ``pp * v`` is split once by fxpipe's own search, with relayed
+boundary values, as ``fd.pipeline_schedule`` plans it (pass it the same ``slack``).
 
 Step time. A stage's cost (FLOP / ``device_flops``, or roofline or profiled seconds) is for
 the whole batch, so one micro-batch takes ``t_j = cost_j / (dp m)`` (the roofline's
@@ -46,10 +45,10 @@ interleaved zero bubble (ZB1P, looped over ``v`` stages per rank) and by 0 for Z
 ``2 pp`` stages sit in a V (rank r holds r and ``2 pp - 1 - r``: the border at the V's tip
 sends nothing) and which needs ``m >= 2 pp - 1`` micro-batches (torch's count to fill it).
 A backward computed in two passes costs more than in one where its kernels run apart (on one
-CPU thread here, 15% more for ZBV than GPipe: ``benchmarks/distributed.py``); that is not
-priced. With replicas the zero-bubble schedules run under FSDP only, and FSDP only where no
-weight is read by two stages of one rank, as ``fd.pipeline_schedule`` decides: the others
-are left out.
+CPU thread here, 9-15% more CPU time for ZBV than GPipe: ``benchmarks/distributed.py``);
+that is not priced. With replicas the zero-bubble schedules run under FSDP only, and FSDP
+only where no weight is read by two stages of one rank, as ``fd.pipeline_schedule``
+decides: the others are left out.
 
 Memory per rank, in training: :func:`fxpipe.passes.plan.stage_memory` of each of its
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
