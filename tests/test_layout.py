@@ -246,8 +246,8 @@ def test_zbv_places_a_v_and_sends_nothing_at_its_tip() -> None:
 def test_fsdp_is_left_out_where_two_stages_of_a_rank_share_a_parameter() -> None:
     """A tied embedding and head: ZBV puts the first and the last stage on rank 0, which
     FSDP cannot shard twice (``fd.pipeline_schedule`` refuses it), so those layouts are
-    ranked under DDP alone (no replicas) or not at all; the looped schedules put them on
-    different ranks and keep their FSDP layouts."""
+    ranked without replicas alone; the looped schedules put them on different ranks and
+    keep their FSDP layouts. A module shared by stages 0 and 2: the other way round."""
     case = ZOO["transformer"]
     args, kwargs = case.example(8)
     layouts = fd.suggest_layout(case.build(), args, 4, example_kwargs=kwargs,
@@ -257,6 +257,15 @@ def test_fsdp_is_left_out_where_two_stages_of_a_rank_share_a_parameter() -> None
     assert zbv and all(e.dp == 1 for e in zbv)  # (2, 2) would be FSDP: left out
     looped = [e for e in layouts if e.schedule == "interleavedzerobubble" and e.dp == 2]
     assert looped and all(e.data_parallel == "fsdp" for e in looped)
+    # a module called twice, its calls in stages 0 and 2 of 4: the loop puts both on rank 0
+    # (fd.pipeline_schedule refuses it on a 2 x 2 FSDP mesh), the V does not (it runs)
+    case = ZOO["shared_module"]
+    args, kwargs = case.example(8)
+    layouts = fd.suggest_layout(case.build(), args, 4, example_kwargs=kwargs, virtual=2,
+                                schedules=("loopedbfs", "zbvzerobubble"), chunks=4,
+                                data_parallel=("ddp", "fsdp"))  # fmt: skip
+    replicated = {(e.schedule, e.data_parallel) for e in layouts if e.dp == 2}
+    assert replicated == {("loopedbfs", "ddp"), ("zbvzerobubble", "fsdp")}
 
 
 def test_fsdp_shards_weights_gradients_and_adam_state_over_the_replicas() -> None:
