@@ -33,7 +33,7 @@ from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, Trace
 from fxpipe.options import PlanOptions
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 
-__all__ = ["pipeline_schedule", "SCHEDULES"]
+__all__ = ["pipeline_schedule", "SCHEDULES", "V_SHAPED", "stage_ranks"]
 
 #: Schedule names accepted (case-insensitive), spelled as torch's ``get_schedule_class`` does.
 SCHEDULES = (
@@ -45,7 +45,8 @@ SCHEDULES = (
     "ZBVZeroBubble",
     "DualPipeV",
 )
-_V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})  # rank r holds stages r and 2W - 1 - r
+#: Schedules whose 2 stages per rank sit in a V: rank r holds stages r and 2W - 1 - r.
+V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})
 _INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 _Spec = tuple[tuple[int, ...], torch.dtype, bool]
 
@@ -140,7 +141,7 @@ def pipeline_schedule(
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
     metas = _stage_metas(model, program, values)
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
-    ranks = _stage_ranks(world, total, v_shaped=kind in _V_SHAPED)
+    ranks = stage_ranks(world, total, v_shaped=kind in V_SHAPED)
     check_sharding(layout, program.modules, ranks)
     config = (kind, n_microbatches, stages_per_rank, scale_grads, data_parallel, _shapes(values))
     _check_agreement(plan, program, config, group, target)
@@ -284,7 +285,7 @@ def _check_options(
             f"schedule={schedule!r} interleaves several stages per rank but stages_per_rank="
             f"{stages_per_rank}; pass stages_per_rank=2 (or more), or use 'gpipe' or '1f1b'"
         )
-    if kind in _V_SHAPED and stages_per_rank != 2:
+    if kind in V_SHAPED and stages_per_rank != 2:
         raise ConfigError(
             f"schedule={schedule!r} places two stages per rank in a V; pass stages_per_rank=2"
         )
@@ -406,7 +407,7 @@ def _shapes(values: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t.shape) for t in _tensors(values))
 
 
-def _stage_ranks(world: int, total: int, *, v_shaped: bool) -> tuple[int, ...]:
+def stage_ranks(world: int, total: int, *, v_shaped: bool) -> tuple[int, ...]:
     """Group rank of every stage: looped (``j mod W``) or V-shaped (there and back)."""
     out = []
     for j in range(total):

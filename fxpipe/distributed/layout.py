@@ -86,6 +86,8 @@ from torch import nn
 from fxpipe.api import traced_example
 from fxpipe.budgets import parse_amount
 from fxpipe.devices import parse_device
+from fxpipe.distributed.build import V_SHAPED, stage_ranks
+from fxpipe.distributed.mesh import DATA_PARALLEL, SPLIT_BACKWARD
 from fxpipe.errors import ConfigError, PlanError
 from fxpipe.ir import (
     CHECKPOINT_MODES,
@@ -127,8 +129,6 @@ LAYOUT_SCHEDULES = (
 )
 #: Several stages per rank, rank r holding r, r + pp, ... (torch's looped placement).
 _LOOPED = frozenset({"interleaved1f1b", "loopedbfs", "interleavedzerobubble"})
-#: Two stages per rank in a V: rank r holds r and 2 pp - 1 - r.
-_V_SHAPED = frozenset({"zbvzerobubble"})
 #: The part of the fill and drain a schedule leaves idle, with forward, input-gradient and
 #: weight-gradient passes of equal time (the zero-bubble authors' table: 1F1B (p - 1) / m,
 #: ZB1P (p - 1) / (3 m), ZBV 0); 1 for the schedules that do not split backward.
@@ -385,8 +385,6 @@ def _schedules(schedules: Any) -> tuple[str, ...]:
 
 
 def _data_parallel(value: Any) -> tuple[str, ...]:
-    from fxpipe.distributed.mesh import DATA_PARALLEL
-
     items = _items(value)
     kinds = tuple(dict.fromkeys(str(k).lower() for k in items))
     bad = [k for k in kinds if k not in DATA_PARALLEL]
@@ -505,7 +503,7 @@ def _candidates(
         replica = batch // dp
         counts = [m for m in (wanted or _divisors(replica)) if replica % m == 0]
         for schedule in schedules:
-            looped, v_shaped = schedule in _LOOPED, schedule in _V_SHAPED
+            looped, v_shaped = schedule in _LOOPED, schedule in V_SHAPED
             if (looped or v_shaped) and pp == 1:
                 continue
             for v in loops if looped else (2,) if v_shaped else (1,):
@@ -528,18 +526,16 @@ def _rounds(m: int, pp: int) -> int:
 
 
 def _placement(schedule: str, pp: int, v: int) -> list[tuple[int, ...]]:
-    """The stages of each pipeline rank, as ``fd.pipeline_schedule`` places them."""
-    if schedule in _V_SHAPED:
-        return [(r, 2 * pp - 1 - r) for r in range(pp)]
-    return [tuple(range(r, pp * v, pp)) for r in range(pp)]
+    """The stages of each pipeline rank, in order, as ``fd.pipeline_schedule`` places them
+    (looped: r, r + pp, ...; a V: r and 2 pp - 1 - r)."""
+    ranks = stage_ranks(pp, pp * v, v_shaped=schedule in V_SHAPED)
+    return [tuple(j for j, rank in enumerate(ranks) if rank == r) for r in range(pp)]
 
 
 def _runs(split: _Split, schedule: str, pp: int, v: int, dp: int, data_parallel: str) -> bool:
     """Whether ``fd.pipeline_schedule`` runs the layout: with replicas, a zero-bubble
     schedule only under FSDP (DDP's all-reduce misses the weight parts), and FSDP only when
     no Parameter is read by two stages of one rank (it shards each stage alone)."""
-    from fxpipe.distributed.mesh import SPLIT_BACKWARD
-
     if dp == 1:
         return True
     if data_parallel == "ddp":
@@ -603,7 +599,7 @@ def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> tuple[int, ...
     """Micro-batches whose activations each stage of rank ``r`` holds (in the order of
     :func:`_placement`) at the rank's peak, in torch's orders. Looped: the rank's stage
     passes, its warm-up count plus the one running, spread evenly over its stages."""
-    if schedule in _V_SHAPED:  # warm-up: 2 pp - 1 - r passes of r's first stage, r + 1 of
+    if schedule in V_SHAPED:  # warm-up: 2 pp - 1 - r passes of r's first stage, r + 1 of
         return min(m, 2 * pp - r), min(m, r + 1)  # its second; then one in, one out of each
     if schedule == "gpipe":
         passes = m

@@ -363,19 +363,22 @@ class _StageModule(nn.Module):
         elif self._copies:
             args = tuple(_contiguous_grad(a) if a.requires_grad else a for a in args)
         out = self.stage(*args)
-        if self.no_views:
-            out = tuple(t.clone() if t._is_view() else t for t in out)
         if self._take is None:
             # torch sends what it is given, and gloo and NCCL send contiguous tensors only
-            # (clone keeps a transposed output's strides)
-            dense = torch.contiguous_format
-            return tuple(
-                t.clone(memory_format=dense) if self._copies else t.contiguous() for t in out
-            )
+            # (clone keeps a transposed output's strides); each output is copied once at most
+            if self._copies:
+                return tuple(t.clone(memory_format=torch.contiguous_format) for t in out)
+            return tuple(self._own(t).contiguous() for t in out)
         picked = tuple(out[i] for i in self._take)
         if self._copies:  # a view is enough on the last stage, but not one FSDP sees
             picked = tuple(t.clone() if self.no_views else t.view_as(t) for t in picked)
+        else:
+            picked = tuple(self._own(t) for t in picked)
         return picked[0] if len(picked) == 1 else picked
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, copied when it is a view and FSDP sees the outputs (``no_views``)."""
+        return t.clone() if self.no_views and t._is_view() else t
 
 
 def _check_input_shapes(want: tuple[tuple[int, ...], ...], values: Any, n: int) -> None:
