@@ -87,7 +87,7 @@ from fxpipe.api import traced_example
 from fxpipe.budgets import parse_amount
 from fxpipe.devices import parse_device
 from fxpipe.distributed.build import V_SHAPED, stage_ranks
-from fxpipe.distributed.mesh import DATA_PARALLEL, SPLIT_BACKWARD
+from fxpipe.distributed.mesh import DATA_PARALLEL, SPLIT_BACKWARD, shared_on_a_rank
 from fxpipe.errors import ConfigError, PlanError
 from fxpipe.ir import (
     CHECKPOINT_MODES,
@@ -540,11 +540,8 @@ def _runs(split: _Split, schedule: str, pp: int, v: int, dp: int, data_parallel:
         return True
     if data_parallel == "ddp":
         return schedule not in SPLIT_BACKWARD
-    for stages in _placement(schedule, pp, v):
-        held = [split.params[j] for j in stages]
-        if sum(len(h) for h in held) != len(frozenset().union(*held)):
-            return False
-    return True
+    ranks = stage_ranks(pp, pp * v, v_shaped=schedule in V_SHAPED)
+    return shared_on_a_rank(split.params, ranks) is None
 
 
 def _estimate(

@@ -13,9 +13,9 @@ Nothing here communicates by itself.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["DATA_PARALLEL", "SPLIT_BACKWARD", "Layout", "check_sharding", "mesh_layout"]
+__all__ = [
+    "DATA_PARALLEL",
+    "SPLIT_BACKWARD",
+    "Layout",
+    "check_sharding",
+    "mesh_layout",
+    "shared_on_a_rank",
+]
 
 #: ``data_parallel=`` values: torch's DDP, or FSDP2's ``fully_shard``, over the ``"dp"`` group.
 DATA_PARALLEL = ("ddp", "fsdp")
@@ -32,6 +39,8 @@ DATA_PARALLEL = ("ddp", "fsdp")
 #: not follow them (its all-reduce misses the weight parts: wrong gradients, no error);
 #: FSDP2's reduce-scatter runs once the schedule has run every weight part.
 SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+
+_Held = TypeVar("_Held", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -82,17 +91,30 @@ def check_sharding(layout: Layout, modules: Sequence[nn.Module], ranks: Sequence
     plan is the same on every rank, so every rank decides alike."""
     if not layout.sharded:
         return
-    first: dict[tuple[int, int], int] = {}  # (Parameter, rank) -> the first stage reading it
-    for j, module in enumerate(modules):
-        for name, p in module.named_parameters():
-            k = first.setdefault((id(p), ranks[j]), j)
+    names = {id(p): name for m in modules for name, p in m.named_parameters()}
+    found = shared_on_a_rank([{id(p) for p in m.parameters()} for m in modules], ranks)
+    if found is not None:
+        key, k, j = found
+        raise ConfigError(
+            f"parameter {names[key]!r} is read by stages {k} and {j}, which are both on "
+            f"pipeline rank {ranks[j]}; data_parallel='fsdp' shards each stage "
+            "alone and cannot shard one Parameter for two of them: pass "
+            "data_parallel='ddp', or stages_per_rank=1"
+        )
+
+
+def shared_on_a_rank(
+    held: Sequence[Collection[_Held]], ranks: Sequence[int]
+) -> tuple[_Held, int, int] | None:
+    """The first thing two stages of one rank both hold, with the two stages (``held[j]``:
+    what stage ``j`` holds, ``ranks[j]``: its rank), or None: what FSDP cannot shard."""
+    first: dict[tuple[_Held, int], int] = {}  # (thing, rank) -> the first stage holding it
+    for j, things in enumerate(held):
+        for thing in things:
+            k = first.setdefault((thing, ranks[j]), j)
             if k != j:
-                raise ConfigError(
-                    f"parameter {name!r} is read by stages {k} and {j}, which are both on "
-                    f"pipeline rank {ranks[j]}; data_parallel='fsdp' shards each stage "
-                    "alone and cannot shard one Parameter for two of them: pass "
-                    "data_parallel='ddp', or stages_per_rank=1"
-                )
+                return thing, k, j
+    return None
 
 
 def mesh_layout(
