@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from functools import cache
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -28,11 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BATCH, WORLD = 32, 8
 ALL = LAYOUT_SCHEDULES
 LOOPED = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble")
-ZERO_BUBBLE = ("interleavedzerobubble", "zbvzerobubble")
+ZERO_BUBBLE = ("interleavedzerobubble", "zbvzerobubble", "dualpipev")
+V_SHAPED = ("zbvzerobubble", "dualpipev")
 #: The idle part of the fill and drain, forward, input- and weight-gradient passes taking
 #: equal time (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024: ZB1P (p - 1) / 3m
-#: against 1F1B's (p - 1) / m; ZBV 0).
-IDLE = {"interleavedzerobubble": 1 / 3, "zbvzerobubble": 0.0}
+#: against 1F1B's (p - 1) / m); torch's ZBV and DualPipeV orders leave the same third
+#: (test_the_fill_is_what_torchs_orders_leave_idle plays them out).
+IDLE = dict.fromkeys(ZERO_BUBBLE, 1 / 3)
 
 
 def _mlp() -> nn.Module:
@@ -40,10 +43,10 @@ def _mlp() -> nn.Module:
     return ResidualMLP(depth=8)
 
 
-def _chain() -> nn.Module:
-    """Eight equal layers: every split into 2, 4 or 8 stages is exactly balanced."""
+def _chain(n: int = 8) -> nn.Module:
+    """``n`` equal layers: every split into stages of as many layers each is balanced."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
 
 
 @cache
@@ -63,8 +66,9 @@ def test_every_layout_spans_the_world_and_splits_the_batch() -> None:
         assert e.schedule in ALL and e.stages == e.pp * e.virtual
         if e.schedule in LOOPED:  # looped: v >= 2, m >= pp
             assert e.virtual >= 2 and e.pp >= 2 and e.chunks >= e.pp
-        elif e.schedule == "zbvzerobubble":  # a V: 2 stages per rank, 2 pp - 1 micro-batches
-            assert e.virtual == 2 and e.pp >= 2 and e.chunks >= 2 * e.pp - 1
+        elif e.schedule in V_SHAPED:  # a V: 2 stages per rank; ZBV 2 pp - 1 micro-batches,
+            least = 2 * e.pp - (e.schedule == "zbvzerobubble")  # DualPipeV one per stage
+            assert e.virtual == 2 and e.pp >= 2 and e.chunks >= least
         else:
             assert e.virtual == 1
         if e.schedule.startswith("interleaved"):  # torch's rounds divide the micro-batches
@@ -106,7 +110,7 @@ def test_terms_match_the_formulas() -> None:
 
 def test_balanced_stages_give_megatrons_bubble() -> None:
     """Equal ranks: the bubble fraction is (p - 1) / (v m) (Narayanan et al. 2021, §2.2), a
-    third of it for ZB1P and none for ZBV (Qi et al. 2024)."""
+    third of it for the zero-bubble schedules (Qi et al. 2024, ZB1P)."""
     x = torch.randn(16, 64)
     layouts = fd.suggest_layout(_chain(), x, 4, schedules=ALL, virtual=2)
     assert {e.pp for e in layouts} == {1, 2, 4}
@@ -170,12 +174,20 @@ def _torch_order(schedule: str, pp: int, v: int, m: int, r: int) -> list[object]
         "interleaved1f1b": torch_schedules.ScheduleInterleaved1F1B,
         "interleavedzerobubble": torch_schedules.ScheduleInterleavedZeroBubble,
         "zbvzerobubble": torch_schedules.ScheduleZBVZeroBubble,
+        "dualpipev": torch_schedules.ScheduleDualPipeV,
     }[schedule]
     rounds = max(1, m // pp)
     stand_in = SimpleNamespace(_n_microbatches=m, pp_group_size=pp, n_local_stages=v,
                                microbatches_per_round=m // rounds, num_stages=pp * v,
                                _stages=[None] * v)  # fmt: skip
-    return list(cls._calculate_single_rank_operations(stand_in, r))
+    kinds = torch_schedules._ComputationType
+    out: list[object] = []
+    for a in cls._calculate_single_rank_operations(stand_in, r):
+        if a is not None and a.computation_type == kinds.OVERLAP_F_B:  # DualPipeV's pairs
+            out.extend(a.sub_actions)
+        elif a is not None:
+            out.append(a)
+    return out
 
 
 def _torch_peaks(actions: list[object], stages: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
@@ -186,8 +198,6 @@ def _torch_peaks(actions: list[object], stages: tuple[int, ...]) -> tuple[tuple[
     most: Counter[int] = Counter()
     total = 0
     for a in actions:
-        if a is None:
-            continue
         if a.computation_type == kinds.FORWARD:  # type: ignore[attr-defined]
             live[a.stage_index] += 1  # type: ignore[attr-defined]
         elif a.computation_type in (kinds.FULL_BACKWARD, kinds.BACKWARD_WEIGHT):  # type: ignore[attr-defined]
@@ -201,13 +211,14 @@ def _torch_peaks(actions: list[object], stages: tuple[int, ...]) -> tuple[tuple[
 @pytest.mark.parametrize("schedule", ["loopedbfs", "interleaved1f1b", *ZERO_BUBBLE])
 def test_micro_batches_in_flight_follow_torchs_own_orders(schedule: str) -> None:
     """The activations each rank is priced to hold are what torch's order keeps at once:
-    ZBV exactly per stage (the V's first stage 2 pp - r, its second r + 1), the looped
-    schedules' rank peak spread evenly over the rank's stages (rounded up per stage)."""
+    ZBV and DualPipeV exactly per stage (the V's first stage 2 pp - r, its second r + 1),
+    the looped schedules' rank peak spread evenly over the rank's stages (rounded up per
+    stage)."""
     checked = 0
     for pp in (2, 3, 4, 8):
-        for v in (2,) if schedule == "zbvzerobubble" else (2, 3, 4):
+        for v in (2,) if schedule in V_SHAPED else (2, 3, 4):
             for m in sorted({pp, 2 * pp - 1, 2 * pp, 3 * pp, 16, 32}):
-                if schedule == "zbvzerobubble" and m < 2 * pp - 1:
+                if schedule in V_SHAPED and m < 2 * pp - (schedule == "zbvzerobubble"):
                     continue
                 if schedule.startswith("interleaved") and m % max(1, m // pp):
                     continue
@@ -215,12 +226,66 @@ def test_micro_batches_in_flight_follow_torchs_own_orders(schedule: str) -> None
                     stages = _placement(schedule, pp, v)[r]
                     per_stage, peak = _torch_peaks(_torch_order(schedule, pp, v, m, r), stages)
                     priced = _in_flight(schedule, pp, v, m, r)
-                    if schedule == "zbvzerobubble":
+                    if schedule in V_SHAPED:
                         assert priced == per_stage, (pp, m, r)
                     else:
                         assert peak <= sum(priced) < peak + v, (pp, v, m, r)
                     checked += 1
     assert checked > 50
+
+
+def _played_out(schedule: str, pp: int, v: int, m: int) -> float:
+    """The idle fraction of a step when every rank runs torch's order for it with forward,
+    input-gradient and weight-gradient passes of one unit each (a whole backward two), each
+    pass starting once its rank is free and what it reads is computed: the forward of the
+    stage before, the input gradient of the stage after. Nothing is sent in no time."""
+    kinds = torch_schedules._ComputationType
+    last = pp * v - 1
+    orders = [_torch_order(schedule, pp, v, m, r) for r in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}  # (pass, stage, micro-batch) -> end
+    clock, at = [0.0] * pp, [0] * pp
+    while any(at[r] < len(orders[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while at[r] < len(orders[r]):
+                a: Any = orders[r][at[r]]
+                j, i, kind = a.stage_index, a.microbatch_index, a.computation_type
+                if kind == kinds.FORWARD:
+                    key, units, needs = "F", 1, [("F", j - 1, i)] if j else []
+                elif kind in (kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT):
+                    key, units = "I", 2 if kind == kinds.FULL_BACKWARD else 1
+                    needs = [("F", j, i)] + ([("I", j + 1, i)] if j < last else [])
+                else:
+                    assert kind == kinds.BACKWARD_WEIGHT, kind
+                    key, units, needs = "W", 1, [("I", j, i)]
+                if any(n not in done for n in needs):
+                    break
+                clock[r] = max([clock[r]] + [done[n] for n in needs]) + units
+                done[(key, j, i)] = clock[r]
+                at[r] += 1
+                moved = True
+        assert moved, f"torch's {schedule} order stalls at pp={pp}, v={v}, m={m}"
+    busy = 3 * v * m  # every rank: a forward, an input and a weight pass per stage and mb
+    return (max(clock) - busy) / busy
+
+
+@pytest.mark.parametrize("schedule", ["loopedbfs", "interleaved1f1b", *ZERO_BUBBLE])
+def test_the_fill_is_what_torchs_orders_leave_idle(schedule: str) -> None:
+    """suggest_layout's bubble for equal stages is the idle time torch's own orders leave,
+    played out pass by pass with passes of equal time: Megatron's (p - 1) / (v m) for the
+    looped schedules, a third of it for the zero-bubble ones (only the first forward's way
+    to the last rank: ZBV and DualPipeV too, not none)."""
+    x = torch.randn(48, 64)
+    layouts = fd.suggest_layout(_chain(12), x, 3, schedules=(schedule,), virtual=2)
+    layouts += fd.suggest_layout(_chain(8), torch.randn(16, 64), 4, schedules=(schedule,),
+                                 virtual=2)  # fmt: skip
+    checked = 0
+    for e in layouts:
+        if e.pp > 1:
+            played = _played_out(schedule, e.pp, e.virtual, e.chunks)
+            assert e.bubble == pytest.approx(played, rel=1e-9), (e.pp, e.chunks)
+            checked += 1
+    assert checked >= 4
 
 
 def test_zbv_places_a_v_and_sends_nothing_at_its_tip() -> None:
@@ -236,8 +301,10 @@ def test_zbv_places_a_v_and_sends_nothing_at_its_tip() -> None:
     assert set(sent) == set(ZERO_BUBBLE)
     # each border of the chain carries one micro-batch of 4 rows x 64 float32 each way
     border = 4 * 64 * 4 * 2 / 1e3
-    # ZBV: ranks 0 (stages 0, 3) and 1 (stages 1, 2) each receive over one border, no fill
-    assert sent["zbvzerobubble"] == pytest.approx(4 * border, rel=1e-6)
+    # the V: ranks 0 (stages 0, 3) and 1 (stages 1, 2) each receive over one border per
+    # micro-batch, and the fill pays the other rank's one border at the idle share 1 / (3 v)
+    for v_shaped in V_SHAPED:
+        assert sent[v_shaped] == pytest.approx(4 * border + border / 6, rel=1e-6)
     # interleaved (0, 2 and 1, 3): rank 1 receives over 2 borders per micro-batch, and the
     # fill pays rank 0's one border at ZB1P's idle share, 1 / (3 v)
     assert sent["interleavedzerobubble"] == pytest.approx(4 * 2 * border + border / 6, rel=1e-6)
@@ -329,7 +396,7 @@ def test_roofline_prices_with_keyword_inputs() -> None:
         ({"max_memory": "lots"}, "'lots'"),
         ({"max_memory": 0}, "max_memory amount 0"),
         ({"max_memory": {0: "1GiB"}}, "max_memory={0: '1GiB'}"),
-        ({"schedules": ("dualpipev",)}, "'dualpipev'"),
+        ({"schedules": ("chimera",)}, "'chimera'"),
         ({"virtual": 1}, "virtual=1"),
         ({"chunks": 0}, "chunks=0"),
         ({"chunks": 5}, "chunks=5"),

@@ -1,12 +1,12 @@
 """Ranks pipeline x data-parallel layouts of a model by predicted step time and memory.
 
 A layout is ``pp`` pipeline ranks x ``dp`` replicas (``pp * dp == world_size``), ``v``
-stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement; for ZBV, a V,
-below), ``m`` micro-batches per replica and a schedule. ``example_input`` is the global
-batch: each replica gets ``batch / dp`` rows in ``m`` equal micro-batches (``dp`` must
-divide the batch, ``m`` the replica's rows). The model is traced and priced once, for the
-whole batch; each stage count ``pp * v`` is split once by fxpipe's own search, with relayed
-boundary values, as ``fd.pipeline_schedule`` plans it (pass it the same ``slack``).
+stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement; for ZBV and
+DualPipeV, a V, below), ``m`` micro-batches per replica and a schedule. ``example_input`` is
+the global batch: each replica gets ``batch / dp`` rows in ``m`` equal micro-batches (``dp``
+must divide the batch, ``m`` the replica's rows). The model is traced and priced once, for
+the whole batch; each stage count ``pp * v`` is split once by fxpipe's own search, with
+relayed boundary values, as ``fd.pipeline_schedule`` plans it (pass it the same ``slack``).
 
 Step time. A stage's cost (FLOP / ``device_flops``, or roofline or profiled seconds) is for
 the whole batch, so one micro-batch takes ``t_j = cost_j / (dp m)`` (the roofline's
@@ -37,18 +37,25 @@ here; what it gains, reducing gradients (and FSDP's gathers) while later stages 
 not modelled.
 
 Zero bubble (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism") splits each backward
-into an input-gradient and a weight-gradient pass and fills the bubble with the latter. Its
-authors' comparison, with forward, input and weight passes of equal time, gives 1F1B a
-bubble rate of ``(p - 1) / m``, ZB1P ``(p - 1) / (3 m)`` and ZBV 0, at 1F1B's activation
-memory, ZBV with twice its sends. So the fill term above is multiplied by 1/3 for torch's
-interleaved zero bubble (ZB1P, looped over ``v`` stages per rank) and by 0 for ZBV, whose
-``2 pp`` stages sit in a V (rank r holds r and ``2 pp - 1 - r``: the border at the V's tip
-sends nothing) and which needs ``m >= 2 pp - 1`` micro-batches (torch's count to fill it).
-A backward computed in two passes costs more than in one where its kernels run apart (on one
-CPU thread here, 9-15% more CPU time for ZBV than GPipe: ``benchmarks/distributed.py``);
-that is not priced. With replicas the zero-bubble schedules run under FSDP only, and FSDP
-only where no weight is read by two stages of one rank, as ``fd.pipeline_schedule``
-decides: the others are left out.
+into an input-gradient and a weight-gradient pass and fills the bubble with the latter. With
+forward, input and weight passes of equal time its authors give 1F1B a bubble rate of
+``(p - 1) / m`` and ZB1P ``(p - 1) / (3 m)``. torch's orders, played out pass by pass with
+equal passes (``tests/test_layout.py`` does it for every schedule here), leave the same
+third for all three zero-bubble schedules: interleaved zero bubble (ZB1P looped over ``v``
+stages per rank), ZBV and DualPipeV idle only while the first micro-batch's forward reaches
+the last rank, ``p - 1`` forward passes of the ``3 v m`` a rank runs (the authors'
+comparison lists ZBV with no bubble; torch's ZBV order idles that fill too). So the fill
+term above is multiplied by ``z = 1/3`` for them. ZBV and DualPipeV place ``2 pp`` stages in
+a V (rank r holds r and ``2 pp - 1 - r``: the border at the V's tip sends nothing); ZBV
+needs ``m >= 2 pp - 1`` micro-batches (its count to fill the V), DualPipeV ``m >= 2 pp``
+(one per stage, torch's check). DualPipeV runs a forward and a backward of the V's two
+stages together (DeepSeek-V3's overlap of computation with communication), which this model
+does not price: its passes run one after the other, as on one CPU thread. A backward
+computed in two passes costs more than in one where its kernels run apart (on one CPU thread
+here, 6-15% more time for a rank's work under ZBV than under GPipe:
+``benchmarks/distributed.py``); that is not priced either. With replicas the zero-bubble
+schedules run under FSDP only, and FSDP only where no weight is read by two stages of one
+rank, as ``fd.pipeline_schedule`` decides: the others are left out.
 
 Memory per rank, in training: :func:`fxpipe.passes.plan.stage_memory` of each of its
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
@@ -66,7 +73,8 @@ for 1F1B ("activations to be stashed for p or fewer microbatches", ibid.); for i
 passes (at most ``m v``), spread evenly over the rank's stages and rounded up to whole
 micro-batches; for interleaved zero bubble ``(v - 1) * (m // rounds) + pp`` (a shorter
 warm-up, and the weight passes ``r`` behind, whose activations stay until they run); for
-ZBV ``2 pp - r`` on rank r's first stage and ``r + 1`` on its second (each at most ``m``);
+ZBV and DualPipeV ``2 pp - r`` on rank r's first stage and ``r + 1`` on its second (each
+at most ``m``);
 for looped BFS, which runs every forward of a stage before the next, all ``m`` of every
 stage. These are the peaks of torch's own orders (its schedule classes' action lists).
 ``fd.pipeline_schedule`` checkpoints nothing: ``checkpoint="never"``.
@@ -126,13 +134,15 @@ LAYOUT_SCHEDULES = (
     "loopedbfs",
     "interleavedzerobubble",
     "zbvzerobubble",
+    "dualpipev",
 )
 #: Several stages per rank, rank r holding r, r + pp, ... (torch's looped placement).
 _LOOPED = frozenset({"interleaved1f1b", "loopedbfs", "interleavedzerobubble"})
 #: The part of the fill and drain a schedule leaves idle, with forward, input-gradient and
-#: weight-gradient passes of equal time (the zero-bubble authors' table: 1F1B (p - 1) / m,
-#: ZB1P (p - 1) / (3 m), ZBV 0); 1 for the schedules that do not split backward.
-_IDLE_FILL = {"interleavedzerobubble": 1 / 3, "zbvzerobubble": 0.0}
+#: weight-gradient passes of equal time: 1 for the schedules that do not split backward; a
+#: third for the zero-bubble ones, whose torch orders idle only while the first forward
+#: reaches the last rank (the authors' ZB1P, (p - 1) / 3m against 1F1B's (p - 1) / m).
+_IDLE_FILL = {name: 1 / 3 for name in ("interleavedzerobubble", "zbvzerobubble", "dualpipev")}
 #: Schedules that run the micro-batches in torch's equal rounds of ``m // pp``.
 _ROUNDS = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 #: Peak dense 16-bit FLOP/s of an A100 (Narayanan et al. 2021, §5: 312 teraFLOP/s).
@@ -257,7 +267,7 @@ def suggest_layout(
             (profiled on ``device``, which must be here; not for a model on ``meta``).
         schedules: names from :data:`LAYOUT_SCHEDULES`; the looped ones (interleaved 1F1B,
             looped BFS, interleaved zero bubble) are tried with each of ``virtual`` stages
-            per rank, 2 or more; ZBV always has 2.
+            per rank, 2 or more; ZBV and DualPipeV always have 2.
         data_parallel: ``"ddp"``, ``"fsdp"`` or both: how the replicas of layouts with
             ``dp > 1`` share the gradients, as ``fd.pipeline_schedule`` takes it.
         chunks: micro-batch counts per replica to try (default: every count that divides a
@@ -379,7 +389,6 @@ def _schedules(schedules: Any) -> tuple[str, ...]:
         raise ConfigError(
             f"schedules={schedules!r} must name one or more of {LAYOUT_SCHEDULES}"
             + (f" ({bad[0]!r} is not one)" if bad else "")
-            + "; DualPipeV is not ranked"
         )
     return tuple(dict.fromkeys(names))
 
@@ -511,8 +520,8 @@ def _candidates(
                     uneven = schedule in _ROUNDS and m % _rounds(m, pp) != 0
                     if looped and (m < pp or uneven):
                         continue  # the loop would stall; torch refuses uneven rounds
-                    if v_shaped and m < 2 * pp - 1:
-                        continue  # torch's V needs 2 pp - 1 micro-batches to fill
+                    if v_shaped and m < 2 * pp - (schedule == "zbvzerobubble"):
+                        continue  # ZBV's V needs 2 pp - 1 to fill, DualPipeV one per stage
                     yield pp, dp, v, m, schedule
 
 
