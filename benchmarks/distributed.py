@@ -27,11 +27,11 @@ sample). Side by side in one run, ``--rounds`` times in turn:
   bandwidth, so each runs slower than one alone;
 - work and zbv-work: the bound for the pipelines, measured: 2 processes that each run
   their pipeline rank's own work at the same time, with nothing sent and nothing waited
-  for (each stage of the rank, built by ``pipeline_schedule`` as for ``1f1b`` or ``zbv``,
-  runs forward and backward on every micro-batch, on the inputs its first micro-batch had
-  in a real step; zbv-work splits the backward as ZBV does). A pipeline rank does that
-  work and more (it sends, receives and waits), so a schedule's speed-up is at most its
-  work row's; GPipe and 1F1B on 2 stages also wait one micro-batch's forward and
+  for (each stage of the rank, built by ``pipeline_schedule`` as for GPipe and 1F1B, or
+  for ZBV, runs forward and backward on every micro-batch, on the inputs its first
+  micro-batch had in a real step; zbv-work splits the backward as ZBV does). A pipeline
+  rank does that work and more (it sends, receives and waits), so a schedule's speed-up is
+  at most its work row's; GPipe and 1F1B on 2 stages also wait one micro-batch's forward and
   backward (the second rank for the first forward, the first rank for the last
   backward), so they reach at most work x m / (m + 1).
 
@@ -325,15 +325,24 @@ PIPELINES = ("gpipe", "1f1b", "zbv")
 LAYOUTS = ("gpipe", "1f1b", "zbv", "ddp", "fsdp")
 
 
-def measure(rounds: int, warmup: int, steps: int) -> tuple[dict[str, list[Any]], list[float]]:
-    """Every mode once per round, in turn; per mode the list of its rounds' results."""
+def measure(
+    rounds: int, warmup: int, steps: int, failures: list[str]
+) -> tuple[dict[str, list[Any]], list[float]]:
+    """Every mode once per round, in turn; per mode the list of its rounds' results. A run
+    whose process dies (gloo has aborted a process at exit here, once in many runs) is run
+    again once, and said in ``failures``."""
     runs: dict[str, list[Any]] = {name: [] for name, _ in MODES}
     costs: list[float] = []
     for r in range(rounds):
         runs["eager"].append(eager(warmup, steps))
         runs["eager-mb"].append(eager(warmup, steps, CHUNKS))
         for schedule in ("gpipe", "1f1b", "zbv", "ddp", "fsdp", "halves", "work", "zbv-work"):
-            result = pipelined(schedule, warmup, steps)
+            try:
+                result = pipelined(schedule, warmup, steps)
+            except mp.ProcessExitedException as e:  # said, and counted in the JSON
+                print(f"round {r + 1}: {schedule}: a process died ({e}); running it again")
+                failures.append(f"round {r + 1}, {schedule}: {e}")
+                result = pipelined(schedule, warmup, steps)
             if schedule in ("gpipe", "1f1b"):
                 costs = result["costs"]
             result.pop("costs")
@@ -417,7 +426,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     opts = parser.parse_args()
     load_before = os.getloadavg()[0]
-    runs, costs = measure(opts.rounds, opts.warmup, opts.steps)
+    failures: list[str] = []
+    runs, costs = measure(opts.rounds, opts.warmup, opts.steps, failures)
     rows = table(runs)
     print(
         f"\n{DEPTH} residual MLP blocks, width {WIDTH}, hidden {HIDDEN}; batch {BATCH} x "
@@ -486,6 +496,7 @@ def main() -> None:
         f"{piped / ddp['step_ms']:.2f}"
     )
     print(f"load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
+    print(f"runs again after a process died: {len(failures)}")
     settings = {
         "width": WIDTH,
         "hidden": HIDDEN,
@@ -510,6 +521,7 @@ def main() -> None:
         "halves_speedup": ceiling,
         "gpipe_1f1b_work_bound_speedup": bubbled_bound,
         "zbv_work_bound_speedup": zbv_bound,
+        "runs_again_after_a_process_died": failures,
         "settings": settings,
     }
     save_json(opts.out, result)

@@ -577,6 +577,21 @@ class TinyLlama(nn.Module):
 # ---------------------------------------------------------------------------- cases
 
 
+class FixedRows(nn.Module):
+    """Not in the zoo, which runs any batch size: a batch size written into the model,
+    ``reshape(rows, 2, width)`` of the hidden rows, so it runs batches of ``rows`` rows only
+    (``width`` features in, ``out`` out)."""
+
+    def __init__(self, rows: int = 6, width: int = 4, out: int = 2) -> None:
+        super().__init__()
+        self.rows, self.width = rows, width
+        self.a = nn.Linear(width, 2 * width)
+        self.b = nn.Linear(width, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).reshape(self.rows, 2, self.width).sum(1))
+
+
 def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     """Wrap ``factory`` so that it builds under seed 0, leaving the caller's RNG untouched."""
 

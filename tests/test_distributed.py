@@ -34,7 +34,7 @@ if str(TESTS.parent) not in sys.path:  # the ranks import this module by its pac
     sys.path.append(str(TESTS.parent))
 
 from helpers import sweep  # noqa: E402
-from models import ZOO, ResidualMLP, TinyGPT  # noqa: E402
+from models import ZOO, FixedRows, ResidualMLP, TinyGPT  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
 from fxpipe.distributed.ownership import is_dtensor  # noqa: E402
@@ -217,17 +217,6 @@ def _bits(rank: int, world: int, *, name: str, n_mbs: tuple[int, ...]) -> dict[i
     return out
 
 
-class _FixedRows(nn.Module):
-    """A batch size written into the model: ``reshape(8, 2, 16)`` fits batches of 8 rows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(16, 32), nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x).reshape(8, 2, 16).sum(1))
-
-
 def _batch_checks(rank: int, world: int) -> dict[str, Any]:
     """What splitting the batch changes, on each rank: a batch size written into the model is
     refused when the pipeline is built (the model untouched), and BatchNorm in training
@@ -236,7 +225,7 @@ def _batch_checks(rank: int, world: int) -> dict[str, Any]:
 
     from fxpipe.errors import BatchStatisticsWarning
 
-    fixed = _FixedRows()
+    fixed = FixedRows(rows=8, width=16, out=4)  # fits batches of 8 rows only
     try:
         fd.pipeline_schedule(fixed, torch.randn(BATCH, 16), n_microbatches=N_MB, loss_fn=_sum_sq)
         refused = ""

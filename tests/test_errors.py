@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import sweep
-from models import ZOO
+from models import ZOO, FixedRows
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -175,19 +175,6 @@ class Keyed(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.b(torch.tanh(self.a(batch["x"])) * batch["scale"])
-
-
-class FixedRows(nn.Module):
-    """A batch size of 6 written into the model: ``reshape(6, 2, 4)`` of the hidden rows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 8)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x).reshape(6, 2, 4).sum(1)
-        return self.b(h)
 
 
 def _keyed_call(model: nn.Module) -> Any:
