@@ -52,7 +52,7 @@ needs ``m >= 2 pp - 1`` micro-batches (its count to fill the V), DualPipeV ``m >
 stages together (DeepSeek-V3's overlap of computation with communication), which this model
 does not price: its passes run one after the other, as on one CPU thread. A backward
 computed in two passes costs more than in one where its kernels run apart (on one CPU thread
-here, 6-15% more time for a rank's work under ZBV than under GPipe:
+here, 4-15% more time for a rank's work under ZBV than under GPipe:
 ``benchmarks/distributed.py``); that is not priced either. With replicas the zero-bubble
 schedules run under FSDP only, and FSDP only where no weight is read by two stages of one
 rank, as ``fd.pipeline_schedule`` decides: the others are left out.
