@@ -329,8 +329,8 @@ def measure(
     rounds: int, warmup: int, steps: int, failures: list[str]
 ) -> tuple[dict[str, list[Any]], list[float]]:
     """Every mode once per round, in turn; per mode the list of its rounds' results. A run
-    whose process dies (gloo has aborted a process at exit here, once in many runs) is run
-    again once, and said in ``failures``."""
+    whose process dies (one aborted here once, from the C++ side of gloo or torch, in many
+    runs) is run again once, and said in ``failures``."""
     runs: dict[str, list[Any]] = {name: [] for name, _ in MODES}
     costs: list[float] = []
     for r in range(rounds):

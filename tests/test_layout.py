@@ -238,7 +238,7 @@ def _played_out(schedule: str, pp: int, v: int, m: int) -> float:
     """The idle fraction of a step when every rank runs torch's order for it with forward,
     input-gradient and weight-gradient passes of one unit each (a whole backward two), each
     pass starting once its rank is free and what it reads is computed: the forward of the
-    stage before, the input gradient of the stage after. Nothing is sent in no time."""
+    stage before, the input gradient of the stage after. Sends take no time."""
     kinds = torch_schedules._ComputationType
     last = pp * v - 1
     orders = [_torch_order(schedule, pp, v, m, r) for r in range(pp)]
