@@ -534,10 +534,15 @@ def _rounds(m: int, pp: int) -> int:
     return max(1, m // pp)
 
 
+def _rank_of(schedule: str, pp: int, v: int) -> tuple[int, ...]:
+    """The pipeline rank of every stage, as ``fd.pipeline_schedule`` places them (looped:
+    r, r + pp, ...; a V: r and 2 pp - 1 - r)."""
+    return stage_ranks(pp, pp * v, v_shaped=schedule in V_SHAPED)
+
+
 def _placement(schedule: str, pp: int, v: int) -> list[tuple[int, ...]]:
-    """The stages of each pipeline rank, in order, as ``fd.pipeline_schedule`` places them
-    (looped: r, r + pp, ...; a V: r and 2 pp - 1 - r)."""
-    ranks = stage_ranks(pp, pp * v, v_shaped=schedule in V_SHAPED)
+    """The stages of each pipeline rank, in order (:func:`_rank_of` by rank)."""
+    ranks = _rank_of(schedule, pp, v)
     return [tuple(j for j, rank in enumerate(ranks) if rank == r) for r in range(pp)]
 
 
@@ -549,8 +554,7 @@ def _runs(split: _Split, schedule: str, pp: int, v: int, dp: int, data_parallel:
         return True
     if data_parallel == "ddp":
         return schedule not in SPLIT_BACKWARD
-    ranks = stage_ranks(pp, pp * v, v_shaped=schedule in V_SHAPED)
-    return shared_on_a_rank(split.params, ranks) is None
+    return shared_on_a_rank(split.params, _rank_of(schedule, pp, v)) is None
 
 
 def _estimate(
@@ -564,7 +568,7 @@ def _estimate(
 ) -> LayoutEstimate:
     pp, dp, v, m = shape
     ranks = _placement(schedule, pp, v)
-    rank_of = {j: r for r, js in enumerate(ranks) for j in js}
+    rank_of = _rank_of(schedule, pp, v)
     share = 1.0 / (dp * m)  # of the global batch, per micro-batch
     t = [s * share + f for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]
     sends = [  # nothing crosses a border between two stages of one rank

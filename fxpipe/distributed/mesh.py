@@ -91,12 +91,12 @@ def check_sharding(layout: Layout, modules: Sequence[nn.Module], ranks: Sequence
     plan is the same on every rank, so every rank decides alike."""
     if not layout.sharded:
         return
-    names = {id(p): name for m in modules for name, p in m.named_parameters()}
     found = shared_on_a_rank([{id(p) for p in m.parameters()} for m in modules], ranks)
     if found is not None:
         key, k, j = found
+        name = next(n for n, p in modules[j].named_parameters() if id(p) == key)
         raise ConfigError(
-            f"parameter {names[key]!r} is read by stages {k} and {j}, which are both on "
+            f"parameter {name!r} is read by stages {k} and {j}, which are both on "
             f"pipeline rank {ranks[j]}; data_parallel='fsdp' shards each stage "
             "alone and cannot shard one Parameter for two of them: pass "
             "data_parallel='ddp', or stages_per_rank=1"
