@@ -414,6 +414,21 @@ def test_bad_options_are_refused_naming_the_value(options: dict[str, object], na
     assert named in str(raised.value)
 
 
+def test_every_layout_left_out_is_refused_naming_why() -> None:
+    """When layouts exist but fd.pipeline_schedule would refuse each (zero bubble under DDP
+    replicas; FSDP where one rank's two stages read a tied weight), the error says so and
+    names what was left out, not that the graph cannot be cut."""
+    x = torch.randn(8, 64)
+    with pytest.raises(ConfigError, match="dualpipev with ddp.*data_parallel='fsdp'") as raised:
+        fd.suggest_layout(_chain(), x, 4, schedules=("dualpipev",), chunks=(4,))
+    assert "cut into" not in str(raised.value)
+    case = ZOO["transformer"]
+    args, kwargs = case.example(8)
+    with pytest.raises(ConfigError, match="zbvzerobubble with fsdp.*two stages of one rank"):
+        fd.suggest_layout(case.build(), args, 4, example_kwargs=kwargs, chunks=(4,),
+                          schedules=("zbvzerobubble",), data_parallel="fsdp")  # fmt: skip
+
+
 def test_no_layout_at_all_is_refused() -> None:
     """Three rows over four ranks: no replica count divides them and one Linear cannot be
     pipelined."""

@@ -316,17 +316,22 @@ def suggest_layout(
     rates = (float(link_bandwidth), float(dp_bandwidth))
     splits: dict[int, _Split | None] = {}
     out = []
+    refused: dict[tuple[str, str], None] = {}  # (schedule, data_parallel) left out, in order
     for pp, dp, v, m, schedule in _candidates(world_size, priced.batch, names, loops, wanted):
         k = pp * v
         if k not in splits:
             splits[k] = _split(priced, k, checkpoint, slack)
         found = splits[k]
         for kind in kinds if dp > 1 else ("ddp",):
-            if found is not None and _runs(found, schedule, pp, v, dp, kind):
-                shape = (pp, dp, v, m)
-                out.append(_estimate(found, priced, shape, schedule, checkpoint, rates, kind))
+            if found is None:
+                continue
+            if not _runs(found, schedule, pp, v, dp, kind):
+                refused[(schedule, kind)] = None
+                continue
+            shape = (pp, dp, v, m)
+            out.append(_estimate(found, priced, shape, schedule, checkpoint, rates, kind))
     if not out:
-        raise ConfigError(_none_found(world_size, priced.batch, splits, chunks))
+        raise ConfigError(_none_found(world_size, priced.batch, splits, chunks, tuple(refused)))
     return _ranked(out, budget)
 
 
@@ -674,7 +679,24 @@ def _tie(e: LayoutEstimate) -> tuple[int, int, int, str, str]:
     return e.pp, e.virtual, e.chunks, e.schedule, e.data_parallel
 
 
-def _none_found(world: int, batch: int, splits: Mapping[int, _Split | None], chunks: Any) -> str:
+def _none_found(
+    world: int,
+    batch: int,
+    splits: Mapping[int, _Split | None],
+    chunks: Any,
+    refused: tuple[tuple[str, str], ...],
+) -> str:
+    if refused:  # the graph was cut, but fd.pipeline_schedule would refuse every layout
+        shown = ", ".join(f"{schedule} with {kind}" for schedule, kind in refused)
+        return (
+            f"no layout of world_size={world} for a global batch of {batch} that "
+            f"fd.pipeline_schedule would run: it refuses each one left ({shown}) with "
+            "replicas, as zero-bubble schedules split the backward DDP does not follow, and "
+            "FSDP cannot shard a Parameter that two stages of one rank read; pass "
+            "data_parallel='fsdp' for zero bubble, a schedule that places the stages "
+            "otherwise (loopedbfs, interleaved1f1b, 1f1b), or chunks that allow pipelines "
+            "without replicas"
+        )
     if not splits:
         return (
             f"no layout of world_size={world} fits a global batch of {batch} with "
