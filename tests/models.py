@@ -14,6 +14,8 @@
   ``torch.export`` can.
 - ``deep_mlp``: 24 residual blocks of very different widths (unequal cost per node).
 - ``shared_module``: one block called at two depths (weights reused across the graph).
+- ``routed_experts``: expert gates gathered per sample by a routing index from a stacked
+  Parameter and applied blocks later (a value made from a Parameter alone crosses borders).
 - ``llama``: Llama-style decoder written the way Hugging Face models are (shapes unpacked
   from ``.shape``, so only ``torch.export`` traces it): rotary tables made once and read
   by every layer, grouped-query SDPA attention, SwiGLU, RMSNorm, an additive 4-D mask
@@ -432,6 +434,33 @@ class SharedBlockNet(nn.Module):
         return self.head(self.c(h))
 
 
+class RoutedExperts(nn.Module):
+    """Experts as Mixtral's batched kernel writes them: each sample's expert gates gathered
+    from a stacked Parameter by its top routing index (no gradient through the index; the
+    router learns through the top weight) five blocks before they are applied, so the
+    gathered gates, made from the Parameter alone, are a value that crosses stage borders
+    (smaller than the router's input, so the split sends them rather than computing them
+    late)."""
+
+    def __init__(self, width: int = 32, experts: int = 4, depth: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.router = nn.Linear(width, experts)
+        self.gates = nn.Parameter(torch.randn(experts, width // 4))
+        self.blocks = nn.ModuleList(MLPBlock(width, 2 * width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks[:3]:
+            h = block(h)
+        weight, index = self.router(h).softmax(-1).max(-1)  # the router learns by weight
+        chosen = self.gates[index]  # (batch, width / 4), from the Parameter alone
+        for block in self.blocks[3:]:
+            h = block(h)
+        return self.head(h * torch.sigmoid(chosen).repeat(1, 4) * weight.unsqueeze(-1))
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale (no mean subtraction, no bias)."""
 
@@ -676,6 +705,7 @@ _CASES = [
     Case("export_only", _seeded(WindowMixer), _randn(10, 16), tracer="export"),
     Case("deep_mlp", _seeded(DeepMLP), _randn(32), max_stages=8),
     Case("shared_module", _seeded(SharedBlockNet), _randn(20), tags=_t("shared")),
+    Case("routed_experts", _seeded(RoutedExperts), _randn(32)),
     Case(
         "llama",
         _seeded(TinyLlama),

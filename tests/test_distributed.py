@@ -254,11 +254,14 @@ def _batch_checks(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def _forgotten_sum(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
+def _forgotten_sum(
+    rank: int, world: int, *, dp: int = 1, schedule: str = "gpipe"
+) -> dict[str, Any]:
     """The tied-embedding transformer, on a pipeline or (dp=2) a 2 x 2 FSDP mesh: gradient
     accumulation (two steps, one sum, one update), a load between steps, then an update
     without the sum, which the next step refuses on every rank holding a copy before
-    anything is sent."""
+    anything is sent. Under ZBV rank 0 holds the embedding and the head, and FSDP leaves
+    the weight whole on each replica: only rank 0 holds it (the other does not step)."""
     build, args, kwargs, loss_fn, target = _problem("transformer", dp * BATCH)
     mesh = None
     if dp > 1:
@@ -270,7 +273,8 @@ def _forgotten_sum(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
         )
     pipe = fd.pipeline_schedule(
         build(), args, example_kwargs=kwargs, n_microbatches=N_MB, loss_fn=loss_fn,
-        mesh=mesh, data_parallel="fsdp",
+        mesh=mesh, data_parallel="fsdp", schedule=schedule,
+        stages_per_rank=2 if schedule == "zbvzerobubble" else 1,
     )  # fmt: skip
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
     for _ in range(2):  # accumulation: two steps, then one sum and one update
@@ -282,6 +286,8 @@ def _forgotten_sum(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
     pipe.load_stage_state_dict(build().state_dict())  # the same values on every rank
     _step(pipe, args, kwargs, target)
     optimizer.step()  # the sum forgotten
+    if not set(pipe.replicated_keys) & {k for k, _ in pipe.named_parameters()}:
+        return {"refused": None}  # holds no copy: its peers stop before sending to it
     try:
         _step(pipe, args, kwargs, target)
         refused = ""
@@ -634,7 +640,8 @@ def _check_against_eager(
     build, args, kwargs, _, _ = _problem(name, replicas * BATCH)
     with torch.no_grad():
         for p in eager.parameters():
-            p -= 0.01 * p.grad / divide
+            if p.grad is not None:  # a router behind an argmax has none
+                p -= 0.01 * p.grad / divide
     for replica in range(replicas):
         fresh = build()
         shards = (r["shard"] for r in results if r.get("replica", 0) == replica)
@@ -678,15 +685,26 @@ MESH_CASES = [
     (name, schedule, spr)
     for name in ("unet", "transformer")
     for schedule, spr in (("gpipe", 1), ("1f1b", 1), ("loopedbfs", 2))
-] + [("unet", "interleaved1f1b", 2)]
+] + [("unet", "interleaved1f1b", 2), ("shared_module", "loopedbfs", 2)]
 #: Zero-bubble schedules (backward split into input and weight parts), FSDP only: the
-#: V-shaped ZBV and DualPipeV (stages r and 3 - r on rank r; the tied embedding would put
-#: both its stages on rank 0, which FSDP refuses) and interleaved zero bubble.
+#: V-shaped ZBV and DualPipeV (stages r and 3 - r on rank r: the tied embedding and head
+#: both on rank 0) and interleaved zero bubble; routed_experts sends gates gathered from a
+#: Parameter alone out of stage 2.
 ZERO_BUBBLE_CASES = [
     ("unet", "zbvzerobubble", 2),
     ("unet", "dualpipev", 2),
     ("transformer", "interleavedzerobubble", 2),
+    ("transformer", "zbvzerobubble", 2),
+    ("routed_experts", "zbvzerobubble", 2),
 ]
+#: Under FSDP, the Parameters left whole (read by two stages of one rank), by case and
+#: the rank's stages: the tied embedding on ZBV's rank 0, the block called at two depths.
+WHOLE = {
+    ("transformer", "zbvzerobubble"): {(0, 3): ["tok.weight"]},
+    ("shared_module", "loopedbfs"): {
+        (0, 2): [f"shared.{m}.{p}" for m in ("fc1", "fc2", "norm") for p in ("bias", "weight")]
+    },
+}
 
 
 def _train_cases(
@@ -717,9 +735,11 @@ def test_two_stages_by_two_replicas_match_eager_on_the_global_batch(
         stages = [per_rank[0], per_rank[0], per_rank[1], per_rank[1]]
         assert [r["stages"] for r in results] == stages, case
         assert [r["replica"] for r in results] == [0, 1, 0, 1], case
-        for r in results:  # FSDP: every parameter a DTensor shard; DDP: none
+        for r in results:  # FSDP: every parameter a DTensor shard but those left whole
             own = sorted(set(r["grads"]) | set(r["sharded"]))
-            assert r["sharded"] == (own if data_parallel == "fsdp" else []), (case, r["stages"])
+            whole = WHOLE.get((name, schedule), {}).get(r["stages"], [])
+            sharded = sorted(set(own) - set(whole)) if data_parallel == "fsdp" else []
+            assert r["sharded"] == sharded, (case, r["stages"])
             assert r["view_warnings"] == [], (case, r["view_warnings"][:1])
         _check_against_eager(name, results, replicas=2)
 
@@ -858,14 +878,18 @@ def test_what_splitting_the_batch_changes_is_refused_or_warned_on_every_rank(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", sweep([1, 2]))
+@pytest.mark.parametrize("dp, schedule", sweep([(1, "gpipe"), (2, "gpipe"), (2, "zbvzerobubble")]))
 def test_an_update_without_summing_tied_gradients_is_refused_at_the_next_step(
-    tmp_path: Path, dp: int
+    tmp_path: Path, dp: int, schedule: str
 ) -> None:
     """Forgetting sync_tied_gradients would leave each rank's copy of the tied embedding
-    updated with its own share of the gradient, the copies differing from then on."""
-    for r in _results(_launch(_forgotten_sum, 2 * dp, tmp_path, dp=dp)):
-        assert "['tok.weight']" in r["refused"] and "sync_tied_gradients()" in r["refused"]
+    updated with its own share of the gradient (or, left whole by FSDP, each replica's
+    with its own), the copies differing from then on."""
+    runs = _results(_launch(_forgotten_sum, 2 * dp, tmp_path, dp=dp, schedule=schedule))
+    holders = [r["refused"] for r in runs if r["refused"] is not None]
+    assert len(holders) == (dp if schedule == "zbvzerobubble" else 2 * dp)
+    for refused in holders:
+        assert "['tok.weight']" in refused and "sync_tied_gradients()" in refused
 
 
 @pytest.mark.slow
@@ -1019,24 +1043,76 @@ def test_without_a_process_group_names_the_remedy() -> None:
         fd.pipeline_schedule(build(), args, n_microbatches=N_MB, loss_fn=loss_fn)
 
 
-def test_fsdp_refuses_a_parameter_read_by_two_stages_of_one_rank() -> None:
+def test_fsdp_leaves_whole_a_parameter_read_by_two_stages_of_one_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """fully_shard wraps each stage alone: a Parameter two stages of one rank read (a tied
-    weight under a looped schedule) cannot be sharded for both; DDP, or other ranks, can."""
+    weight under a V or looped schedule) cannot be sharded for both, so it is left whole,
+    on every rank; DDP, or one replica, shard nothing. A torch whose fully_shard cannot
+    leave a Parameter out is refused, naming the stages."""
     from dataclasses import replace
 
+    from fxpipe.distributed import mesh
     from fxpipe.distributed.mesh import Layout, check_sharding
 
     shared = nn.Linear(2, 2)
+    both = {id(shared.weight), id(shared.bias)}
     stages = [nn.Sequential(shared), nn.Sequential(nn.Linear(2, 2)), nn.Sequential(shared)]
     fsdp = Layout(None, dp_group=object(), dp_size=2, data_parallel="fsdp")  # type: ignore[arg-type]
+    assert check_sharding(fsdp, stages, (0, 1, 0)) == both
+    assert check_sharding(fsdp, stages, (0, 1, 2)) == set()  # on two ranks: each its own
+    # Read by stages 0, 1 and 3 on ranks 0, 1, 1: the two on rank 1 share it.
+    four = [stages[0], nn.Sequential(shared), nn.Sequential(nn.Linear(2, 2)), stages[2]]
+    assert check_sharding(fsdp, four, (0, 1, 0, 1)) == both
+    assert check_sharding(replace(fsdp, data_parallel="ddp"), stages, (0, 1, 0)) == set()
+    assert check_sharding(replace(fsdp, dp_group=None), stages, (0, 1, 0)) == set()
+    monkeypatch.setattr(mesh, "can_leave_whole", lambda: False)
     with pytest.raises(ConfigError, match=r"stages 0 and 2, which are both on pipeline rank 0"):
         check_sharding(fsdp, stages, (0, 1, 0))
-    with pytest.raises(ConfigError, match="data_parallel='ddp'"):
-        check_sharding(fsdp, stages, (0, 1, 0))
-    check_sharding(fsdp, stages, (0, 1, 2))  # on two ranks: each shards its own copy
-    # Read by stages 0, 1 and 3 on ranks 0, 1, 1: the two on rank 1 are not the first two.
-    four = [stages[0], nn.Sequential(shared), nn.Sequential(nn.Linear(2, 2)), stages[2]]
     with pytest.raises(ConfigError, match=r"stages 1 and 3, which are both on pipeline rank 1"):
         check_sharding(fsdp, four, (0, 1, 0, 1))
-    check_sharding(replace(fsdp, data_parallel="ddp"), stages, (0, 1, 0))
-    check_sharding(replace(fsdp, dp_group=None), stages, (0, 1, 0))  # one replica: no FSDP
+    with pytest.raises(ConfigError, match="data_parallel='ddp'"):
+        check_sharding(fsdp, stages, (0, 1, 0))
+    assert check_sharding(fsdp, stages, (0, 1, 2)) == set()
+
+
+def test_zero_bubble_refuses_a_stage_whose_inputs_need_no_gradient() -> None:
+    """torch starts a later stage's weight part from its inputs: a stage with Parameters
+    and no input that needs a gradient would get none, so it is refused; a schedule with a
+    whole backward, or an input that needs one, or frozen Parameters, is fine."""
+    from types import SimpleNamespace
+
+    from fxpipe.distributed.build import _check_weight_part
+
+    def meta(dtype: torch.dtype, grad: bool) -> torch.Tensor:
+        return torch.empty(2, 3, dtype=dtype, device="meta").requires_grad_(grad)
+
+    program: Any = SimpleNamespace(modules=[nn.Linear(3, 3), nn.Linear(3, 3)])
+    ids: Any = [((meta(torch.float32, True),), ()), ((torch.zeros(2, 3, dtype=torch.long),), ())]
+    with pytest.raises(ConfigError, match=r"stage 1 trains Parameters \(weight, bias\)"):
+        _check_weight_part("zbvzerobubble", program, ids)
+    with pytest.raises(ConfigError, match="'1f1b'"):
+        _check_weight_part("interleavedzerobubble", program, ids)
+    _check_weight_part("1f1b", program, ids)
+    floats = [ids[0], ((meta(torch.float32, False), meta(torch.float32, True)), ())]
+    _check_weight_part("zbvzerobubble", program, floats)
+    program.modules[1].requires_grad_(False)
+    _check_weight_part("zbvzerobubble", program, ids)
+
+
+def test_a_stage_without_parameters_is_not_wrapped_for_data_parallelism() -> None:
+    """A stage of no Parameters (a split between Mixtral's layers left one with none) has
+    nothing to average or shard: DDP would refuse it ("not needed when a module doesn't
+    have any parameter"), so neither wraps it; a stage with Parameters is wrapped."""
+    from dataclasses import replace
+
+    from fxpipe.distributed.mesh import Layout
+
+    ddp = Layout(None, dp_group=object(), dp_size=2, data_parallel="ddp")  # type: ignore[arg-type]
+    bare = nn.Sequential(nn.ReLU())
+    assert ddp.wrap(bare, torch.device("cpu")) is bare
+    assert replace(ddp, data_parallel="fsdp").wrap(bare, torch.device("cpu")) is bare
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    assert ddp.wrap(frozen, torch.device("cpu")) is frozen
+    with pytest.raises((AttributeError, TypeError, ValueError, RuntimeError)):
+        ddp.wrap(nn.Linear(2, 2), torch.device("cpu"))  # wrapped: DDP reads the fake group

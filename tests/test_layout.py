@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import fxpipe.distributed as fd
+from fxpipe.distributed import layout as layout_module
 from fxpipe.distributed.layout import (
     DEFAULT_DP_BANDWIDTH,
     LAYOUT_SCHEDULES,
@@ -310,29 +311,47 @@ def test_zbv_places_a_v_and_sends_nothing_at_its_tip() -> None:
     assert sent["interleavedzerobubble"] == pytest.approx(4 * 2 * border + border / 6, rel=1e-6)
 
 
-def test_fsdp_is_left_out_where_two_stages_of_a_rank_share_a_parameter() -> None:
-    """A tied embedding and head: ZBV puts the first and the last stage on rank 0, which
-    FSDP cannot shard twice (``fd.pipeline_schedule`` refuses it), so those layouts are
-    ranked without replicas alone; the looped schedules put them on different ranks and
-    keep their FSDP layouts. A module shared by stages 0 and 2: the other way round."""
+def test_fsdp_is_ranked_where_two_stages_of_a_rank_share_a_parameter_it_can_leave_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tied embedding and head: ZBV puts the first and the last stage on rank 0, where
+    FSDP leaves the weight whole (``fd.pipeline_schedule`` runs it), so its FSDP layouts are
+    ranked; on a torch whose fully_shard cannot leave it whole they are left out, and the
+    looped schedules, which put them on different ranks, keep theirs. A module shared by
+    stages 0 and 2: the other way round."""
     case = ZOO["transformer"]
     args, kwargs = case.example(8)
-    layouts = fd.suggest_layout(case.build(), args, 4, example_kwargs=kwargs,
-                                schedules=("interleavedzerobubble", "zbvzerobubble", "1f1b"),
-                                data_parallel="fsdp", chunks=(4, 8))  # fmt: skip
+    options: dict[str, Any] = dict(
+        example_kwargs=kwargs, schedules=("interleavedzerobubble", "zbvzerobubble", "1f1b"),
+        data_parallel="fsdp", chunks=(4, 8),
+    )  # fmt: skip
+    shared = ZOO["shared_module"]
+    shared_args, shared_kwargs = shared.example(8)
+    shared_options: dict[str, Any] = dict(
+        example_kwargs=shared_kwargs, virtual=2, schedules=("loopedbfs", "zbvzerobubble"),
+        chunks=4, data_parallel=("ddp", "fsdp"),
+    )  # fmt: skip
+
+    def replicated(model: nn.Module, inputs: Any, opts: dict[str, Any]) -> set[Any]:
+        layouts = fd.suggest_layout(model, inputs, 4, **opts)
+        return {(e.schedule, e.data_parallel) for e in layouts if e.dp == 2}
+
+    assert ("zbvzerobubble", "fsdp") in replicated(case.build(), args, options)
+    every = {(s, k) for s in ("loopedbfs", "zbvzerobubble") for k in ("ddp", "fsdp")}
+    every.discard(("zbvzerobubble", "ddp"))  # zero bubble with DDP: never
+    assert replicated(shared.build(), shared_args, shared_options) == every
+    monkeypatch.setattr(layout_module, "can_leave_whole", lambda: False)
+    layouts = fd.suggest_layout(case.build(), args, 4, **options)
     zbv = [e for e in layouts if e.schedule == "zbvzerobubble"]
     assert zbv and all(e.dp == 1 for e in zbv)  # (2, 2) would be FSDP: left out
     looped = [e for e in layouts if e.schedule == "interleavedzerobubble" and e.dp == 2]
     assert looped and all(e.data_parallel == "fsdp" for e in looped)
-    # a module called twice, its calls in stages 0 and 2 of 4: the loop puts both on rank 0
-    # (fd.pipeline_schedule refuses it on a 2 x 2 FSDP mesh), the V does not (it runs)
-    case = ZOO["shared_module"]
-    args, kwargs = case.example(8)
-    layouts = fd.suggest_layout(case.build(), args, 4, example_kwargs=kwargs, virtual=2,
-                                schedules=("loopedbfs", "zbvzerobubble"), chunks=4,
-                                data_parallel=("ddp", "fsdp"))  # fmt: skip
-    replicated = {(e.schedule, e.data_parallel) for e in layouts if e.dp == 2}
-    assert replicated == {("loopedbfs", "ddp"), ("zbvzerobubble", "fsdp")}
+    # the module called twice, its calls in stages 0 and 2 of 4: the loop puts both on
+    # rank 0, the V does not
+    assert replicated(shared.build(), shared_args, shared_options) == {
+        ("loopedbfs", "ddp"),
+        ("zbvzerobubble", "fsdp"),
+    }
 
 
 def test_fsdp_shards_weights_gradients_and_adam_state_over_the_replicas() -> None:
@@ -414,19 +433,47 @@ def test_bad_options_are_refused_naming_the_value(options: dict[str, object], na
     assert named in str(raised.value)
 
 
-def test_every_layout_left_out_is_refused_naming_why() -> None:
+def test_every_layout_left_out_is_refused_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """When layouts exist but fd.pipeline_schedule would refuse each (zero bubble under DDP
-    replicas; FSDP where one rank's two stages read a tied weight), the error says so and
-    names what was left out, not that the graph cannot be cut."""
+    replicas; FSDP where one rank's two stages read a tied weight, on a torch that cannot
+    leave it whole), the error says so and names what was left out, not that the graph
+    cannot be cut."""
     x = torch.randn(8, 64)
     with pytest.raises(ConfigError, match="dualpipev with ddp.*data_parallel='fsdp'") as raised:
         fd.suggest_layout(_chain(), x, 4, schedules=("dualpipev",), chunks=(4,))
-    assert "cut into" not in str(raised.value)
+    assert "cut into" not in str(raised.value) and "leave whole" not in str(raised.value)
     case = ZOO["transformer"]
     args, kwargs = case.example(8)
+    options: dict[str, Any] = dict(
+        example_kwargs=kwargs, chunks=(4,), schedules=("zbvzerobubble",), data_parallel="fsdp"
+    )
+    assert fd.suggest_layout(case.build(), args, 4, **options)  # the tied weight left whole
+    monkeypatch.setattr(layout_module, "can_leave_whole", lambda: False)
     with pytest.raises(ConfigError, match="zbvzerobubble with fsdp.*two stages of one rank"):
-        fd.suggest_layout(case.build(), args, 4, example_kwargs=kwargs, chunks=(4,),
-                          schedules=("zbvzerobubble",), data_parallel="fsdp")  # fmt: skip
+        fd.suggest_layout(case.build(), args, 4, **options)
+
+
+def test_fsdp_prices_a_weight_it_leaves_whole_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZBV puts the tied embedding's two stages on rank 0, where FSDP leaves it whole: that
+    rank holds all of its weights, gradients and two Adam moments once (4 copies), not
+    each stage's gathered copy, gradient and 1 / dp shards of the three (2 + 4 / dp copies,
+    twice)."""
+    case = ZOO["transformer"]
+    args, kwargs = case.example(16)
+    model = case.build()
+    options: dict[str, Any] = dict(
+        example_kwargs=kwargs, chunks=(4,), schedules=("zbvzerobubble",), data_parallel="fsdp"
+    )
+
+    def two_by_two() -> int:
+        found = [e for e in fd.suggest_layout(model, args, 4, **options) if e.dp == 2]
+        return found[0].memory_bytes
+
+    whole = two_by_two()
+    monkeypatch.setattr(layout_module, "_whole", lambda *_: frozenset())
+    sharded = two_by_two()
+    weight = model.tok.weight.numel() * model.tok.weight.element_size()
+    assert whole - sharded == 4 * weight - 2 * (2 + 4 / 2) * weight
 
 
 def test_no_layout_at_all_is_refused() -> None:

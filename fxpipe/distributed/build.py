@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
-from fxpipe.distributed.mesh import check_sharding, mesh_layout
+from fxpipe.distributed.mesh import SPLIT_BACKWARD, check_sharding, mesh_layout
 from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
@@ -98,9 +98,10 @@ def pipeline_schedule(
     replica holds its stages' whole parameters), or ``"fsdp"``, FSDP2's ``fully_shard``
     (each holds a ``1 / dp`` shard of every parameter, a ``DTensor``; its optimizer steps
     on the shards; the gathered parameters live from a step's first forward to its last
-    backward). ``example_input`` and every step's batch are one replica's; with a
-    mean-reduced loss and ``scale_grads=True`` the gradients are those of the mean loss
-    over the global batch.
+    backward; a parameter two stages of one rank read stays whole, its gradient averaged
+    over ``"dp"`` by ``sync_tied_gradients``). ``example_input`` and every step's batch
+    are one replica's; with a mean-reduced loss and ``scale_grads=True`` the gradients are
+    those of the mean loss over the global batch.
 
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
@@ -141,8 +142,9 @@ def pipeline_schedule(
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
     metas = _stage_metas(model, program, values)
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
+    _check_weight_part(kind, program, metas)
     ranks = stage_ranks(world, total, v_shaped=kind in V_SHAPED)
-    check_sharding(layout, program.modules, ranks)
+    whole = check_sharding(layout, program.modules, ranks)  # what FSDP leaves unsharded
     config = (kind, n_microbatches, stages_per_rank, scale_grads, data_parallel, _shapes(values))
     _check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
@@ -163,6 +165,7 @@ def pipeline_schedule(
         layout=layout,
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
         input_shapes=tuple(tuple(t.shape) for t in _tensors((mb_args, mb_kwargs))),
+        whole=whole,
     )
 
 
@@ -314,6 +317,25 @@ def _check_micro_batches(kind: str, n_microbatches: int, world: int, total: int)
             f"{n_microbatches} does not divide into; pass a multiple of {world}, such as "
             f"n_microbatches={fit}"
         )
+
+
+def _check_weight_part(kind: str, program: StageProgram, metas: list[Metas]) -> None:
+    """ConfigError when a zero-bubble schedule would lose a stage's weight gradients: torch
+    runs a stage's weight part (every stage but the first) from where its Parameters' uses
+    meet what its inputs reach, and a stage none of whose inputs needs a gradient has no
+    such place. Every rank plans alike, so every rank refuses alike."""
+    if kind not in SPLIT_BACKWARD:
+        return
+    for j in range(1, len(program.modules)):
+        trained = [n for n, p in program.modules[j].named_parameters() if p.requires_grad]
+        if trained and not any(t.requires_grad for t in metas[j][0]):
+            raise ConfigError(
+                f"stage {j} trains Parameters ({', '.join(trained[:3])}) but none of its "
+                f"inputs needs a gradient; schedule={kind!r} splits the backward, and torch "
+                "starts a stage's weight part from its inputs, so their gradients would be "
+                "lost; use a schedule with a whole backward ('gpipe', '1f1b', "
+                "'interleaved1f1b', 'loopedbfs'), or another number of stages"
+            )
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -54,8 +54,10 @@ does not price: its passes run one after the other, as on one CPU thread. A back
 computed in two passes costs more than in one where its kernels run apart (on one CPU thread
 here, 4-15% more time for a rank's work under ZBV than under GPipe:
 ``benchmarks/distributed.py``); that is not priced either. With replicas the zero-bubble
-schedules run under FSDP only, and FSDP only where no weight is read by two stages of one
-rank, as ``fd.pipeline_schedule`` decides: the others are left out.
+schedules run under FSDP only, as ``fd.pipeline_schedule`` decides: the others are left
+out. FSDP leaves a weight two stages of one rank read (a tied embedding and head on a V's
+first rank) whole on each replica (on a torch whose ``fully_shard`` cannot, such layouts
+are left out too).
 
 Memory per rank, in training: :func:`fxpipe.passes.plan.stage_memory` of each of its
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
@@ -95,7 +97,12 @@ from fxpipe.api import traced_example
 from fxpipe.budgets import parse_amount
 from fxpipe.devices import parse_device
 from fxpipe.distributed.build import V_SHAPED, stage_ranks
-from fxpipe.distributed.mesh import DATA_PARALLEL, SPLIT_BACKWARD, shared_on_a_rank
+from fxpipe.distributed.mesh import (
+    DATA_PARALLEL,
+    SPLIT_BACKWARD,
+    can_leave_whole,
+    shared_on_a_rank,
+)
 from fxpipe.errors import ConfigError, PlanError
 from fxpipe.ir import (
     CHECKPOINT_MODES,
@@ -230,6 +237,8 @@ class _Split:
     received: tuple[int, ...]
     #: Per stage: the ids of the Parameters it holds (a tied weight: in every reading stage).
     params: tuple[frozenset[int], ...]
+    #: Bytes of each of those Parameters, by id.
+    sizes: Mapping[int, int]
 
 
 def suggest_layout(
@@ -495,8 +504,10 @@ def _split(priced: _Priced, k: int, checkpoint: str, slack: float) -> _Split | N
         for j in range(e.producer + 1, max(e.consumers) + 1):
             received[j] += size
     shared = replicated_attrs(gm)
-    params = tuple(frozenset(map(id, stage_parameters(gm, s.nodes, shared))) for s in plan.stages)
-    return _Split(plan, tuple(scaled), tuple(fixed), tuple(received), params)
+    held = [stage_parameters(gm, s.nodes, shared) for s in plan.stages]
+    params = tuple(frozenset(map(id, ps)) for ps in held)
+    sizes = {id(p): p.numel() * p.element_size() for ps in held for p in ps}
+    return _Split(plan, tuple(scaled), tuple(fixed), tuple(received), params, sizes)
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -553,13 +564,19 @@ def _placement(schedule: str, pp: int, v: int) -> list[tuple[int, ...]]:
 
 def _runs(split: _Split, schedule: str, pp: int, v: int, dp: int, data_parallel: str) -> bool:
     """Whether ``fd.pipeline_schedule`` runs the layout: with replicas, a zero-bubble
-    schedule only under FSDP (DDP's all-reduce misses the weight parts), and FSDP only when
-    no Parameter is read by two stages of one rank (it shards each stage alone)."""
+    schedule only under FSDP (DDP's all-reduce misses the weight parts), and FSDP where a
+    Parameter is read by two stages of one rank only on a torch whose ``fully_shard`` can
+    leave it whole."""
     if dp == 1:
         return True
     if data_parallel == "ddp":
         return schedule not in SPLIT_BACKWARD
-    return shared_on_a_rank(split.params, _rank_of(schedule, pp, v)) is None
+    return can_leave_whole() or not _whole(split, schedule, pp, v)
+
+
+def _whole(split: _Split, schedule: str, pp: int, v: int) -> frozenset[int]:
+    """The Parameters FSDP leaves whole in this placement: read by two stages of one rank."""
+    return frozenset(shared_on_a_rank(split.params, _rank_of(schedule, pp, v)))
 
 
 def _estimate(
@@ -642,20 +659,26 @@ def _rank_memory(
     """Peak bytes of rank ``r``: each stage's training estimate with ``f`` micro-batches in
     flight (``stage_memory`` prices ``f`` pieces of the whole batch; the activations are
     scaled to ``f`` micro-batches of ``batch / (dp m)`` rows), plus DDP's gradient buckets,
-    or with FSDP the whole weights and gradients and a ``1 / dp`` shard of the rest."""
+    or with FSDP the whole weights and gradients and a ``1 / dp`` shard of the rest (all
+    of a Parameter it leaves whole, once on the rank)."""
     pp, dp, v, m = shape
     k = split.plan.num_stages
-    total = 0.0
+    copies = param_copies(True)
+    left = _whole(split, schedule, pp, v) if dp > 1 and data_parallel == "fsdp" else frozenset()
+    kept = left & frozenset().union(*(split.params[j] for j in stages))
+    total = float(copies * sum(split.sizes[i] for i in kept))  # whole, once on the rank
     for j, f in zip(stages, _in_flight(schedule, pp, v, m, r), strict=True):
         stage = split.plan.stages[j]
-        whole = stage_memory(stage, priced.costs, chunks=f, checkpoint=checkpoint,
-                             last=j == k - 1)  # fmt: skip
-        weights = param_copies(True) * stage.param_bytes
-        total += (whole - weights) * f / (dp * m)
+        everything = stage_memory(stage, priced.costs, chunks=f, checkpoint=checkpoint,
+                                  last=j == k - 1)  # fmt: skip
+        weights = copies * stage.param_bytes
+        total += (everything - weights) * f / (dp * m)
         if dp == 1:
             total += weights
         elif data_parallel == "fsdp":  # gathered weights and gradients, and the shards
-            total += (2 + param_copies(True) / dp) * stage.param_bytes
+            own = stage.param_bytes - sum(split.sizes[i] for i in split.params[j] & kept)
+            sharded = max(own, 0)
+            total += (2 + copies / dp) * sharded
         else:  # DDP: every copy, and the gradient buckets
             total += weights + stage.param_bytes
     return int(total)
@@ -688,12 +711,18 @@ def _none_found(
 ) -> str:
     if refused:  # the graph was cut, but fd.pipeline_schedule would refuse every layout
         shown = ", ".join(f"{schedule} with {kind}" for schedule, kind in refused)
+        fsdp = any(kind == "fsdp" for _, kind in refused)
+        why = (
+            ", and this torch's FSDP cannot leave whole a Parameter that two stages of one "
+            "rank read"
+            if fsdp
+            else ""
+        )
         return (
             f"no layout of world_size={world} for a global batch of {batch} that "
             f"fd.pipeline_schedule would run: it refuses each one left ({shown}) with "
-            "replicas, as zero-bubble schedules split the backward DDP does not follow, and "
-            "FSDP cannot shard a Parameter that two stages of one rank read; pass "
-            "data_parallel='fsdp' for zero bubble, a schedule that places the stages "
+            f"replicas, as zero-bubble schedules split the backward DDP does not follow{why}; "
+            "pass data_parallel='fsdp' for zero bubble, a schedule that places the stages "
             "otherwise (loopedbfs, interleaved1f1b, 1f1b), or chunks that allow pipelines "
             "without replicas"
         )

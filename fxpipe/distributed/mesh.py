@@ -7,7 +7,8 @@ a stage's replicas average their gradients with torch's own ``DistributedDataPar
 (``"fsdp"``: each holds a ``1 / dp`` shard of every parameter, a ``DTensor``, gathered for
 the stage's micro-batches and released after the last backward). torch's ``PipelineStage``
 drives either: gradients are reduced once per step, after the last micro-batch's backward.
-Nothing here communicates by itself.
+A Parameter two stages of one rank read is left whole by FSDP (it wraps each stage alone)
+and averaged over ``"dp"`` by ``sync_tied_gradients``. Nothing here communicates by itself.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "DATA_PARALLEL",
     "SPLIT_BACKWARD",
     "Layout",
+    "can_leave_whole",
     "check_sharding",
     "mesh_layout",
     "shared_on_a_rank",
@@ -60,20 +62,30 @@ class Layout:
         """Whether the stages' parameters are sharded over ``"dp"`` (FSDP2)."""
         return self.dp_group is not None and self.data_parallel == "fsdp"
 
-    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+    def wrap(
+        self, module: nn.Module, device: torch.device, whole: Collection[nn.Parameter] = ()
+    ) -> nn.Module:
         """``module`` as its stage's replicas train it: under DDP or ``fully_shard`` over
         ``"dp"``, else as is. DDP does not broadcast buffers each forward (one collective
         per micro-batch): the replicas start equal and update them alike, except batch-norm
         running statistics, which each updates from its own micro-batches (warned about at
         the first step). ``fully_shard`` keeps the gathered parameters from the first
         forward to the last backward of a step (``reshard_after_forward=False``: one gather
-        per step, not one per micro-batch)."""
+        per step, not one per micro-batch), and leaves the Parameters of ``whole`` whole
+        (unsharded, not reduced: see :func:`check_sharding`). A stage with nothing to
+        average or shard (no Parameters, e.g. one of a model's last norm-free layers) is
+        left as it is."""
         if self.dp_group is None:
             return module
         if self.data_parallel == "fsdp":
+            if all(any(p is w for w in whole) for p in module.parameters()):
+                return module  # nothing to shard (a stage of no Parameters, or only whole)
             shard = _fully_shard()
-            shard(module, mesh=self.dp_mesh, reshard_after_forward=False)
+            ignored = {"ignored_params": set(whole)} if whole else {}
+            shard(module, mesh=self.dp_mesh, reshard_after_forward=False, **ignored)
             return module
+        if not any(p.requires_grad for p in module.parameters()):
+            return module  # nothing to average (and DDP refuses such a module)
         # newer torch spells broadcast_buffers=False as forward_sync_buffers=False
         newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         no_sync: dict[str, Any] = {"forward_sync_buffers" if newer else "broadcast_buffers": False}
@@ -85,36 +97,45 @@ class Layout:
         )
 
 
-def check_sharding(layout: Layout, modules: Sequence[nn.Module], ranks: Sequence[int]) -> None:
-    """ConfigError when FSDP would shard one Parameter twice: read by two stages of one rank
-    (a tied weight under looped schedules), each of which ``fully_shard`` wraps alone. The
-    plan is the same on every rank, so every rank decides alike."""
+def check_sharding(
+    layout: Layout, modules: Sequence[nn.Module], ranks: Sequence[int]
+) -> frozenset[int]:
+    """The ids of the Parameters FSDP must leave whole: each read by two stages of one rank
+    (a tied embedding and head under a V-shaped schedule, a block called at two depths
+    under a looped one), which ``fully_shard`` cannot shard for both of the stages it wraps
+    alone. Such a Parameter is left whole on every rank holding it (one plan, so every rank
+    decides alike), and ``sync_tied_gradients`` averages its gradient over ``"dp"``.
+    Empty without FSDP; ConfigError where this torch's ``fully_shard`` cannot leave a
+    Parameter out (no ``ignored_params``)."""
     if not layout.sharded:
-        return
+        return frozenset()
     found = shared_on_a_rank([{id(p) for p in m.parameters()} for m in modules], ranks)
-    if found is not None:
-        key, k, j = found
+    if found and not can_leave_whole():
+        key, (k, j) = next(iter(found.items()))
         name = next(n for n, p in modules[j].named_parameters() if id(p) == key)
         raise ConfigError(
             f"parameter {name!r} is read by stages {k} and {j}, which are both on "
-            f"pipeline rank {ranks[j]}; data_parallel='fsdp' shards each stage "
-            "alone and cannot shard one Parameter for two of them: pass "
-            "data_parallel='ddp', or stages_per_rank=1"
+            f"pipeline rank {ranks[j]}; data_parallel='fsdp' shards each stage alone, and "
+            f"torch {torch.__version__}'s fully_shard cannot leave it out "
+            "(ignored_params): pass data_parallel='ddp', stages_per_rank=1, or upgrade torch"
         )
+    return frozenset(found)
 
 
 def shared_on_a_rank(
     held: Sequence[Collection[_Held]], ranks: Sequence[int]
-) -> tuple[_Held, int, int] | None:
-    """The first thing two stages of one rank both hold, with the two stages (``held[j]``:
-    what stage ``j`` holds, ``ranks[j]``: its rank), or None: what FSDP cannot shard."""
+) -> dict[_Held, tuple[int, int]]:
+    """Everything two stages of one rank both hold (``held[j]``: what stage ``j`` holds,
+    ``ranks[j]``: its rank), each with the first two such stages; in stage order. What
+    FSDP cannot shard for each stage alone."""
     first: dict[tuple[_Held, int], int] = {}  # (thing, rank) -> the first stage holding it
+    found: dict[_Held, tuple[int, int]] = {}
     for j, things in enumerate(held):
         for thing in things:
             k = first.setdefault((thing, ranks[j]), j)
             if k != j:
-                return thing, k, j
-    return None
+                found.setdefault(thing, (k, j))
+    return found
 
 
 def mesh_layout(
@@ -186,6 +207,11 @@ def _check_split_backward(schedule: str, data_parallel: str) -> None:
             f"(PipelineStage.perform_reduce_grad), which torch {torch.__version__} lacks; "
             "upgrade torch, or use 'gpipe', '1f1b', 'interleaved1f1b' or 'loopedbfs'"
         )
+
+
+def can_leave_whole() -> bool:
+    """Whether this torch's ``fully_shard`` can leave Parameters out (``ignored_params``)."""
+    return "ignored_params" in inspect.signature(_fully_shard()).parameters
 
 
 def _fully_shard() -> Any:

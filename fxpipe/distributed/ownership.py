@@ -9,7 +9,7 @@ shards together hold the whole state dict.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,12 +39,19 @@ class Ownership:
 
     ``tensors``: model key -> tensor, for every key (tied names included) of the tensors
     this rank keeps; ``persistent``: the keys of ``model.state_dict()``; ``replicated``:
-    ``(key, shape, tensor or None)`` for each Parameter held by several ranks, in the same
-    order on every rank; ``uninitialised``: keys materialised from ``meta`` and not loaded.
+    ``(key, shape, tensor or None)`` for each Parameter held by several ranks or left whole
+    by FSDP (``whole``: their ids; ``whole_keys``: their keys), whose gradients
+    ``sync_tied_gradients`` sums, in the same order on every rank; ``uninitialised``: keys
+    materialised from ``meta`` and not loaded.
     """
 
     def __init__(
-        self, model: nn.Module, program: StageProgram, ranks: tuple[int, ...], rank: int
+        self,
+        model: nn.Module,
+        program: StageProgram,
+        ranks: tuple[int, ...],
+        rank: int,
+        whole: Collection[int] = (),
     ) -> None:
         keys: dict[int, list[str]] = {}
         objects: dict[int, torch.Tensor] = {}
@@ -64,8 +71,9 @@ class Ownership:
         self.replicated: list[tuple[str, torch.Size, torch.Tensor | None]] = [
             (ks[0], objects[i].shape, objects[i] if rank in owners[i] else None)
             for i, ks in sorted(keys.items(), key=lambda item: item[1][0])
-            if isinstance(objects[i], nn.Parameter) and len(owners[i]) > 1
+            if isinstance(objects[i], nn.Parameter) and (len(owners[i]) > 1 or i in whole)
         ]
+        self.whole_keys = frozenset(keys[i][0] for i in whole if i in keys)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Each kept Parameter once, under its first key."""

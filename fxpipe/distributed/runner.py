@@ -4,6 +4,7 @@ the gradients of parameters shared with other ranks, and its state-dict shard.""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from itertools import accumulate
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ class DistributedPipeline:
         layout: Layout | None = None,
         statistics: BatchStatistics | None = None,
         input_shapes: tuple[tuple[int, ...], ...] | None = None,
+        whole: frozenset[int] = frozenset(),
     ) -> None:
         self.plan, self.group, self.device = plan, group, device
         self.layout = layout or Layout(group)
@@ -69,8 +71,10 @@ class DistributedPipeline:
         self.is_last = self.num_stages - 1 in self.stage_indices
         self._leaves, self._spec = program.output_leaves, program.output_spec
         self._model = model
-        self._own = Ownership(model, program, ranks, self.rank)
+        self._own = Ownership(model, program, ranks, self.rank, whole)
         self._own.place(device, [model, plan.graph_module, *program.modules])
+        kept = [t for k, _, t in self._own.replicated if k in self._own.whole_keys]
+        self._whole = {id(t) for t in kept if t is not None}  # left whole by FSDP (placed)
         self._tied = TiedGuard(self._own)
         copies = kind in SPLIT_BACKWARD
         self._statistics, self._n_microbatches = statistics, n_microbatches
@@ -104,8 +108,9 @@ class DistributedPipeline:
             outputs = tuple(outputs[i] for i in take)
         module = _StageModule(program.modules[j], binder, take, copies)
         module.no_views = self.layout.sharded
+        whole = [p for p in module.parameters() if id(p) in self._whole]
         stage = _Stage(
-            self.layout.wrap(module, self.device),
+            self.layout.wrap(module, self.device, whole),
             j,
             self.num_stages,
             self.device,
@@ -238,25 +243,43 @@ class DistributedPipeline:
         whose stages read it (the plan never sends it with the micro-batches); each copy
         gets the gradient of its own uses, and this sums them, once per step, so that every
         copy has the whole gradient and every rank's optimizer makes the same update.
-        Without such a parameter this does nothing (and communicates nothing). A step after
-        an update of such a copy with no sum in between is refused (ConfigError) on every
-        rank holding one, before anything is sent; several steps per sum (gradient
-        accumulation) are fine.
+        Under FSDP, a Parameter two stages of one rank read is left whole (unsharded) on
+        each replica; this also averages its gradient over ``"dp"``, as FSDP averages the
+        others. Without such a parameter this does nothing (and communicates nothing). A
+        step after an update of such a copy with no sum in between is refused
+        (ConfigError) on every rank holding one, before anything is sent; several steps per
+        sum (gradient accumulation) are fine.
         """
         if not self._own.replicated:
             return
         self._tied.summed()
         comm = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        whole_keys = self._own.whole_keys
         grads = []
-        for _, shape, t in self._own.replicated:
+        for key, shape, t in self._own.replicated:
             g = None if t is None else t.grad
-            if g is None:  # under FSDP, this replica's shard of it
-                grads.append(torch.zeros(self._local_shape(shape), device=comm))
+            if g is None:  # under FSDP, this replica's shard of it (unless left whole)
+                local = tuple(shape) if key in whole_keys else self._local_shape(shape)
+                grads.append(torch.zeros(local, device=comm))
             else:
                 grads.append(_local(g).to(comm))
         # float64 for the sum, so that every dtype comes back as exact as it can be.
         flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads])
         dist.all_reduce(flat, group=self.group)
+        if whole_keys and self.layout.dp_group is not None:  # FSDP's average, for these
+            starts = list(accumulate((g.numel() for g in grads), initial=0))
+            chosen = [
+                (start, g.numel())
+                for (key, _, _), g, start in zip(self._own.replicated, grads, starts)
+                if key in whole_keys
+            ]
+            mean = torch.cat([flat.narrow(0, start, n) for start, n in chosen])
+            dist.all_reduce(mean, group=self.layout.dp_group)
+            mean /= self.layout.dp_size
+            done = 0
+            for start, n in chosen:
+                flat.narrow(0, start, n).copy_(mean.narrow(0, done, n))
+                done += n
         offset = 0
         for (_, _, t), g in zip(self._own.replicated, grads):
             if t is not None:
@@ -363,15 +386,18 @@ class _StageModule(nn.Module):
         elif self._copies:
             args = tuple(_contiguous_grad(a) if a.requires_grad else a for a in args)
         out = self.stage(*args)
+        # zero bubble, after the first stage: each output joined to an input (see _copy)
+        anchor = _anchor_of(args) if self._copies and self._binder is None else None
         if self._take is None:
             # torch sends what it is given, and gloo and NCCL send contiguous tensors only
             # (clone keeps a transposed output's strides); each output is copied once at most
             if self._copies:
-                return tuple(t.clone(memory_format=torch.contiguous_format) for t in out)
+                return tuple(_copy(t, anchor, "contiguous") for t in out)
             return tuple(self._own(t).contiguous() for t in out)
         picked = tuple(out[i] for i in self._take)
         if self._copies:  # a view is enough on the last stage, but not one FSDP sees
-            picked = tuple(t.clone() if self.no_views else t.view_as(t) for t in picked)
+            how = "clone" if self.no_views else "view"
+            picked = tuple(_copy(t, anchor, how) for t in picked)
         else:
             picked = tuple(self._own(t) for t in picked)
         return picked[0] if len(picked) == 1 else picked
@@ -379,6 +405,45 @@ class _StageModule(nn.Module):
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """``t``, copied when it is a view and FSDP sees the outputs (``no_views``)."""
         return t.clone() if self.no_views and t._is_view() else t
+
+
+def _copied(t: torch.Tensor, how: str) -> torch.Tensor:
+    """``t`` as a stage hands it out: a contiguous copy, a copy, or a view."""
+    if how == "contiguous":
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.clone() if how == "clone" else t.view_as(t)
+
+
+class _Anchor(torch.autograd.Function):
+    """``t`` handed out (:func:`_copied`), joined in the autograd graph to ``anchor`` (a stage
+    input); its gradient passes to ``t`` alone."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor, how: str) -> torch.Tensor:
+        return _copied(t, how)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def _anchor_of(inputs: tuple[Any, ...]) -> torch.Tensor | None:
+    """The first stage input that needs a gradient (None: none does)."""
+    return next((a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad), None)
+
+
+def _copy(t: torch.Tensor, anchor: torch.Tensor | None, how: str) -> torch.Tensor:
+    """A zero-bubble stage's output, handed out (:func:`_copied`) and joined to ``anchor``
+    when it needs a gradient. torch's input part of backward keeps, for the weight part,
+    the gradient where each Parameter's uses meet what the stage's inputs reach; an output
+    that does not depend on them (a weight gathered by a routing index and sent on, as
+    Mixtral's batched experts do) meets none of it, and its Parameters' gradients were
+    lost, with no error. Joined, it meets them at the join. A stage after the first with
+    Parameters and no input that needs a gradient is refused by ``pipeline_schedule``."""
+    if anchor is None or not t.requires_grad:
+        return _copied(t, how)
+    out: torch.Tensor = _Anchor.apply(t, anchor, how)  # type: ignore[no-untyped-call]
+    return out
 
 
 def _check_input_shapes(want: tuple[tuple[int, ...], ...], values: Any, n: int) -> None:

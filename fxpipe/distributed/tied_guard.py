@@ -1,5 +1,6 @@
-"""Catches an optimizer update of a Parameter held on several ranks whose gradient was never
-summed (``sync_tied_gradients`` forgotten): from then on the copies differ, silently.
+"""Catches an optimizer update of a Parameter held on several ranks (or left whole by FSDP on
+each replica) whose gradient was never summed (``sync_tied_gradients`` forgotten): from then
+on the copies differ, silently.
 
 Each rank holding such a copy notes, at the start of every step, whether the copy changed in
 place (its version counter) since the previous step began while no sum ran in between: only
@@ -41,10 +42,11 @@ class TiedGuard:
             held = [k for k, _, t in self._own.replicated if t is not None]
             changed = [k for k, a, b in zip(held, now, self._versions, strict=True) if a != b]
             raise ConfigError(
-                f"the Parameter(s) {changed} are held by several ranks, and this rank's copy "
-                "changed (an optimizer step) after the last step without "
-                "sync_tied_gradients() in between: it was updated with this rank's share "
-                "of the gradient only, so the ranks' copies now differ; call "
+                f"the Parameter(s) {changed} are held by several ranks (or left whole by "
+                "FSDP on each replica), and this rank's copy changed (an optimizer step) "
+                "after the last step without sync_tied_gradients() in between: it was "
+                "updated with this rank's share of the gradient only, so the copies now "
+                "differ; call "
                 "pipe.sync_tied_gradients() on every rank after schedule.step and before "
                 "optimizer.step(), and resume from a checkpoint saved before this step"
             )
