@@ -387,12 +387,13 @@ def _train_steps(
 
 
 def _resume(
-    rank: int, world: int, *, folder: str, other: str, data_parallel: str
+    rank: int, world: int, *, folder: str, other: str, data_parallel: str, schedule: str
 ) -> dict[str, Any]:
     """The tied-embedding transformer, SGD with momentum, a mean loss over a global batch of
-    2 x BATCH: one step at 2 stages x 2 replicas (``data_parallel`` over them), saved with
-    torch.distributed.checkpoint; then loaded at 4 stages x 1 replica, which takes two more
-    steps."""
+    2 x BATCH: one step at 2 pipeline ranks x 2 replicas (``schedule``; ``data_parallel``
+    over them; under ZBV, 4 stages, the tied weight left whole by FSDP on rank 0), saved
+    with torch.distributed.checkpoint; then loaded at 4 stages x 1 replica (1F1B), which
+    takes two more steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _, args, _, _, target = _problem("transformer", 2 * BATCH)
@@ -401,9 +402,11 @@ def _resume(
         mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
         replica = mesh.get_local_rank("dp")
         mine = (args[0].chunk(dp)[replica],), target.chunk(dp)[replica]
+        kind = schedule if layout == "save" else "1f1b"
         pipe = fd.pipeline_schedule(
             _tiny_gpt(), mine[0], n_microbatches=N_MB, loss_fn=_lm_mean, scale_grads=True,
-            mesh=mesh, schedule="1f1b", data_parallel=data_parallel,
+            mesh=mesh, schedule=kind, data_parallel=data_parallel,
+            stages_per_rank=2 if kind == "zbvzerobubble" else 1,
         )  # fmt: skip
         optimizer = _optimizer(pipe.parameters())
         if layout == "save":
@@ -744,21 +747,26 @@ def test_two_stages_by_two_replicas_match_eager_on_the_global_batch(
         _check_against_eager(name, results, replicas=2)
 
 
-@pytest.mark.parametrize("data_parallel", sweep(["fsdp", "ddp"]))
+@pytest.mark.parametrize(
+    "data_parallel, schedule",
+    sweep([("fsdp", "1f1b"), ("ddp", "1f1b"), ("fsdp", "zbvzerobubble")]),
+)
 def test_a_checkpoint_saved_at_two_by_two_resumes_at_four_by_one_and_in_eager(
-    tmp_path: Path, data_parallel: str
+    tmp_path: Path, data_parallel: str, schedule: str
 ) -> None:
     """torch.distributed.checkpoint writes one checkpoint for a 2 x 2 job (DDP: each replica
-    holds every tensor; FSDP: each holds half of each, as DTensor shards); a 4 x 1 job and
-    the unpipelined model read it back with identical tensors, and training resumes with
-    the losses of an uninterrupted eager run (the optimizer's momentum included)."""
+    holds every tensor; FSDP: each holds half of each, as DTensor shards, but the tied
+    weight ZBV leaves whole on rank 0); a 4 x 1 job and the unpipelined model read it back
+    with identical tensors, and training resumes with the losses of an uninterrupted eager
+    run (the optimizer's momentum included)."""
     import torch.distributed.checkpoint as dcp
 
     folder, other = tmp_path / "checkpoint", tmp_path / "other"
     dcp.save({"model": ResidualMLP().state_dict()}, checkpoint_id=str(other))
     runs = _launch(
-        _resume, 4, tmp_path, folder=str(folder), other=str(other), data_parallel=data_parallel
-    )
+        _resume, 4, tmp_path, folder=str(folder), other=str(other),
+        data_parallel=data_parallel, schedule=schedule,
+    )  # fmt: skip
     results = _results(runs)
     for r in results:  # another model's checkpoint, and none at all: refused by each rank
         assert len(r["refused"]) == 2, r["refused"]
