@@ -311,6 +311,7 @@ def _sync(rank: int, world: int) -> dict[str, Any]:
         ("both", shapes[0], both),
         ("mine", shapes[1], mine if rank == 0 else None),
     ]
+    pipe._own.shared_keys = frozenset({"both", "mine"})
     pipe.sync_tied_gradients()
     return {"both": both.grad, "mine": mine.grad}
 

@@ -73,8 +73,8 @@ class Layout:
         forward to the last backward of a step (``reshard_after_forward=False``: one gather
         per step, not one per micro-batch), and leaves the Parameters of ``whole`` whole
         (unsharded, not reduced: see :func:`check_sharding`). A stage with nothing to
-        average or shard (no Parameters, e.g. one of a model's last norm-free layers) is
-        left as it is."""
+        average or shard (no Parameters that train: DDP refuses such a module) is left as
+        it is."""
         if self.dp_group is None:
             return module
         if self.data_parallel == "fsdp":

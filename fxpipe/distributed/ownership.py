@@ -39,10 +39,10 @@ class Ownership:
 
     ``tensors``: model key -> tensor, for every key (tied names included) of the tensors
     this rank keeps; ``persistent``: the keys of ``model.state_dict()``; ``replicated``:
-    ``(key, shape, tensor or None)`` for each Parameter held by several ranks or left whole
-    by FSDP (``whole``: their ids; ``whole_keys``: their keys), whose gradients
-    ``sync_tied_gradients`` sums, in the same order on every rank; ``uninitialised``: keys
-    materialised from ``meta`` and not loaded.
+    ``(key, shape, tensor or None)`` for each Parameter held by several ranks
+    (``shared_keys``) or left whole by FSDP (``whole``: their ids; ``whole_keys``: their
+    keys), whose gradients ``sync_tied_gradients`` sums, in the same order on every rank;
+    ``uninitialised``: keys materialised from ``meta`` and not loaded.
     """
 
     def __init__(
@@ -74,6 +74,7 @@ class Ownership:
             if isinstance(objects[i], nn.Parameter) and (len(owners[i]) > 1 or i in whole)
         ]
         self.whole_keys = frozenset(keys[i][0] for i in whole if i in keys)
+        self.shared_keys = frozenset(ks[0] for i, ks in keys.items() if len(owners[i]) > 1)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Each kept Parameter once, under its first key."""

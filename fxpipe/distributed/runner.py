@@ -4,7 +4,6 @@ the gradients of parameters shared with other ranks, and its state-dict shard.""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from itertools import accumulate
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -250,45 +249,32 @@ class DistributedPipeline:
         (ConfigError) on every rank holding one, before anything is sent; several steps per
         sum (gradient accumulation) are fine.
         """
-        if not self._own.replicated:
+        entries = self._own.replicated
+        if not entries:
             return
         self._tied.summed()
         comm = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         whole_keys = self._own.whole_keys
         grads = []
-        for key, shape, t in self._own.replicated:
+        for key, shape, t in entries:
             g = None if t is None else t.grad
             if g is None:  # under FSDP, this replica's shard of it (unless left whole)
                 local = tuple(shape) if key in whole_keys else self._local_shape(shape)
                 grads.append(torch.zeros(local, device=comm))
             else:
                 grads.append(_local(g).to(comm))
-        # float64 for the sum, so that every dtype comes back as exact as it can be.
-        flat = torch.cat([g.reshape(-1).to(torch.float64) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        if whole_keys and self.layout.dp_group is not None:  # FSDP's average, for these
-            starts = list(accumulate((g.numel() for g in grads), initial=0))
-            chosen = [
-                (start, g.numel())
-                for (key, _, _), g, start in zip(self._own.replicated, grads, starts)
-                if key in whole_keys
-            ]
-            mean = torch.cat([flat.narrow(0, start, n) for start, n in chosen])
-            dist.all_reduce(mean, group=self.layout.dp_group)
-            mean /= self.layout.dp_size
-            done = 0
-            for start, n in chosen:
-                flat.narrow(0, start, n).copy_(mean.narrow(0, done, n))
-                done += n
-        offset = 0
-        for (_, _, t), g in zip(self._own.replicated, grads):
+        # held by several ranks: summed over the pipeline ranks (the same list on each)
+        shared = [i for i, (key, _, _) in enumerate(entries) if key in self._own.shared_keys]
+        _all_reduce(grads, shared, self.group)
+        if self.layout.dp_group is not None:  # left whole by FSDP: averaged, as FSDP does
+            whole = [i for i, (k, _, t) in enumerate(entries) if k in whole_keys and t is not None]
+            _all_reduce(grads, whole, self.layout.dp_group, divide=self.layout.dp_size)
+        for (_, _, t), total in zip(entries, grads, strict=True):
             if t is not None:
-                total = flat[offset : offset + g.numel()].view(g.shape)
                 if t.grad is None:
                     t.grad = _like_param(t, total)
                 else:
                     _local(t.grad).copy_(total)
-            offset += g.numel()
 
     def _local_shape(self, shape: torch.Size) -> tuple[int, ...]:
         """This rank's part of a parameter of ``shape``: all of it, or its FSDP shard."""
@@ -470,6 +456,25 @@ def _parameter_slots(modules: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
                 seen.add(id(module))
                 slots += [(module, n, p) for n, p in module._parameters.items() if p is not None]
     return slots
+
+
+def _all_reduce(
+    grads: list[torch.Tensor], chosen: list[int], group: dist.ProcessGroup | None, divide: int = 1
+) -> None:
+    """``grads[i]`` for each ``i`` of ``chosen`` summed over ``group`` (one collective, in
+    float64, so that every dtype comes back as exact as it can be) and divided by
+    ``divide``, in place in the list. Every rank of ``group`` passes the same ``chosen``."""
+    if not chosen:
+        return
+    flat = torch.cat([grads[i].reshape(-1).to(torch.float64) for i in chosen])
+    dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat /= divide
+    done = 0
+    for i in chosen:
+        n = grads[i].numel()
+        grads[i] = flat.narrow(0, done, n).view(grads[i].shape)
+        done += n
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
