@@ -16,6 +16,8 @@
 - ``shared_module``: one block called at two depths (weights reused across the graph).
 - ``routed_experts``: expert gates gathered per sample by a routing index from a stacked
   Parameter and applied blocks later (a value made from a Parameter alone crosses borders).
+- ``weight_for_dtype``: the output cast to the first layer's weight's dtype (that weight is
+  read at the end for its dtype alone).
 - ``llama``: Llama-style decoder written the way Hugging Face models are (shapes unpacked
   from ``.shape``, so only ``torch.export`` traces it): rotary tables made once and read
   by every layer, grouped-query SDPA attention, SwiGLU, RMSNorm, an additive 4-D mask
@@ -461,6 +463,22 @@ class RoutedExperts(nn.Module):
         return self.head(h * torch.sigmoid(chosen).repeat(1, 4) * weight.unsqueeze(-1))
 
 
+class WeightForDtype(nn.Module):
+    """The last layer casts to the first layer's weight's dtype, as Hugging Face code does
+    (``x.to(self.embed.weight.dtype)``): a stage late in the pipeline reads that weight for
+    its dtype alone (one process per stage: it holds a copy, which gets no gradient there)."""
+
+    def __init__(self, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.blocks = nn.Sequential(*(MLPBlock(width, 2 * width) for _ in range(depth)))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(F.linear(x, self.weight))
+        return self.head(h).to(self.weight.dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale (no mean subtraction, no bias)."""
 
@@ -706,6 +724,7 @@ _CASES = [
     Case("deep_mlp", _seeded(DeepMLP), _randn(32), max_stages=8),
     Case("shared_module", _seeded(SharedBlockNet), _randn(20), tags=_t("shared")),
     Case("routed_experts", _seeded(RoutedExperts), _randn(32)),
+    Case("weight_for_dtype", _seeded(WeightForDtype), _randn(32)),
     Case(
         "llama",
         _seeded(TinyLlama),

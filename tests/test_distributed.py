@@ -689,7 +689,11 @@ MESH_CASES = [
     (name, schedule, spr)
     for name in ("unet", "transformer")
     for schedule, spr in (("gpipe", 1), ("1f1b", 1), ("loopedbfs", 2))
-] + [("unet", "interleaved1f1b", 2), ("shared_module", "loopedbfs", 2)]
+] + [
+    ("unet", "interleaved1f1b", 2),
+    ("shared_module", "loopedbfs", 2),
+    ("weight_for_dtype", "gpipe", 1),
+]
 #: Zero-bubble schedules (backward split into input and weight parts), FSDP only: the
 #: V-shaped ZBV and DualPipeV (stages r and 3 - r on rank r: the tied embedding and head
 #: both on rank 0) and interleaved zero bubble; routed_experts sends gates gathered from a

@@ -69,10 +69,16 @@ class Layout:
         ``"dp"``, else as is. DDP does not broadcast buffers each forward (one collective
         per micro-batch): the replicas start equal and update them alike, except batch-norm
         running statistics, which each updates from its own micro-batches (warned about at
-        the first step). ``fully_shard`` keeps the gathered parameters from the first
-        forward to the last backward of a step (``reshard_after_forward=False``: one gather
-        per step, not one per micro-batch), and leaves the Parameters of ``whole`` whole
-        (unsharded, not reduced: see :func:`check_sharding`). A stage with nothing to
+        the first step). DDP looks for Parameters its stage gives no gradient
+        (``find_unused_parameters=True``): a stage can hold a weight it reads for its shape
+        or dtype alone (Hugging Face's ``x.to(self.weight.dtype)``, BiT's
+        ``reshape_as(self.weight)``, export's dtype asserts), whose gradient comes from
+        another stage; without the search DDP waits for that gradient, reduces none of the
+        stage's, and the replicas silently part (DDP's error comes a step later).
+        ``fully_shard`` keeps the gathered parameters from the first forward to the last
+        backward of a step (``reshard_after_forward=False``: one gather per step, not one
+        per micro-batch), and leaves the Parameters of ``whole`` whole (unsharded, not
+        reduced: see :func:`check_sharding`). A stage with nothing to
         average or shard (no Parameters that train: DDP refuses such a module) is left as
         it is."""
         if self.dp_group is None:
@@ -93,6 +99,7 @@ class Layout:
             module,
             device_ids=[device] if device.type == "cuda" else None,
             process_group=self.dp_group,
+            find_unused_parameters=True,
             **no_sync,
         )
 
