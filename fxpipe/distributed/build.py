@@ -10,6 +10,7 @@ each stage's input and output shapes. No stage runs on real data before the firs
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -19,7 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_flatten, tree_map
@@ -385,29 +390,54 @@ def _meta(spec: _Spec) -> torch.Tensor:
 
 
 def _stage_metas(model: nn.Module, program: StageProgram, values: tuple[Any, ...]) -> list[Metas]:
-    """Meta tensors shaped like each stage's inputs and outputs for one micro-batch."""
+    """Meta tensors shaped like each stage's inputs and outputs for one micro-batch: from a
+    run on fake tensors, or, where an output's shape depends on tensor values (an
+    ``.item()`` in a length check) and the example holds real ones, from a run on the
+    example's micro-batch itself (its buffer updates undone)."""
     saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
-    specs = []
-    with torch.random.fork_rng(devices=[]):
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake, torch.enable_grad():
-            fakes = tree_map(
-                lambda t: fake.from_tensor(t) if isinstance(t, torch.Tensor) else t, values
-            )
-            env = dict(zip(program.graph_inputs, fakes))
-            for j, module in enumerate(program.modules):
-                ins = [env[n] for n in program.inputs[j]]
-                outs = module(*ins)
-                env.update(zip(program.outputs[j], outs))
-                names_in, names_out = program.inputs[j], program.outputs[j]
-                specs.append((_specs(j, names_in, ins, j > 0), _specs(j, names_out, outs, True)))
-            del env, fakes, ins, outs
-    with torch.no_grad():
-        for b, value in saved:
-            b.copy_(value)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            try:
+                specs = _chain_specs(program, values, fake=True)
+            except (DataDependentOutputException, DynamicOutputShapeException) as e:
+                if any(t.is_meta for t in _tensors(values)):
+                    raise ConfigError(
+                        "a stage's output shape depends on tensor values "
+                        f"({type(e).__name__}), which a model on 'meta' does not hold; "
+                        "build the model with real weights, or make the shape not depend "
+                        "on values"
+                    ) from e
+                specs = _chain_specs(program, values, fake=False)
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
     # Made outside the fake mode: a tensor made inside would keep the mode (and its weak
     # references to the model's tensors) alive.
     return [(tuple(map(_meta, a)), tuple(map(_meta, b))) for a, b in specs]
+
+
+def _chain_specs(
+    program: StageProgram, values: tuple[Any, ...], *, fake: bool
+) -> list[tuple[list[_Spec], list[_Spec]]]:
+    """Each stage's input and output specs, the stages run in turn on ``values`` (as fake
+    tensors with ``fake``), with gradients on so that ``requires_grad`` is known."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    specs = []
+    with mode, torch.enable_grad():
+        if isinstance(mode, FakeTensorMode):
+            values = tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, values
+            )
+        env = dict(zip(program.graph_inputs, values))
+        for j, module in enumerate(program.modules):
+            ins = [env[n] for n in program.inputs[j]]
+            outs = module(*ins)
+            env.update(zip(program.outputs[j], outs))
+            names_in, names_out = program.inputs[j], program.outputs[j]
+            specs.append((_specs(j, names_in, ins, j > 0), _specs(j, names_out, outs, True)))
+        del env, values, ins, outs
+    return specs
 
 
 def _specs(j: int, names: Iterable[str], values: Iterable[Any], strict: bool) -> list[_Spec]:
