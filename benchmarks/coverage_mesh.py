@@ -110,8 +110,8 @@ def prepared(name: str) -> tuple[nn.Module, cov.Args, cov.Kwargs]:
     """The model of ``name`` in float64 with no dropout, in train mode, and its global batch."""
     spec = cov.registry()[name]
     torch.manual_seed(0)
-    if spec.default_double:
-        torch.set_default_dtype(torch.float64)
+    # the driver checks model after model: each gets its own default dtype, as a rank does
+    torch.set_default_dtype(torch.float64 if spec.default_double else torch.float32)
     model, args, kwargs = spec.build()
     model = model.double().train()
     cov.zero_dropout(model)
@@ -357,9 +357,6 @@ def check(name: str, config: Config, timeout: float, oracles: dict[int, Any]) ->
             oracles[m] = oracle(name, m)
         except Exception as exc:
             oracles[m] = f"eager failed: {cov._first_line(repr(exc))}"
-        else:
-            if not math.isfinite(oracles[m].loss):  # nothing to compare a gradient with
-                oracles[m] = f"eager's loss is {oracles[m].loss} (outputs not finite here)"
     if isinstance(oracles[m], str):
         return {**row, "status": "skipped", "reason": oracles[m]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -389,6 +386,9 @@ def check(name: str, config: Config, timeout: float, oracles: dict[int, Any]) ->
         codes = [code for code, _ in runs]
         return {**row, "status": "timeout" if timed_out else "crashed",
                 "reason": f"ranks ended without a result (exit codes {codes})"}  # fmt: skip
+    if not math.isfinite(oracles[m].loss):  # it ran, but there is nothing to compare with
+        reason = f"eager's loss is {oracles[m].loss} (its outputs are not finite here)"
+        return {**row, "status": "skipped", "reason": reason}
     return {**row, **judge([res["ok"] for _, res in runs], oracles[m])}
 
 
