@@ -1,9 +1,10 @@
 """What the benchmarks share: the residual MLP the runtime and GPU ones time, its training
-steps, and writing a result file."""
+steps, writing a result file, and a free port for the multi-process ones."""
 
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Block", "residual_mlp", "loss_of", "plain_step", "chunked_step", "save_json"]
+__all__ = [
+    "Block",
+    "residual_mlp",
+    "loss_of",
+    "plain_step",
+    "chunked_step",
+    "save_json",
+    "free_port",
+]
 
 
 class Block(nn.Module):
@@ -63,3 +72,10 @@ def save_json(path: Path, payload: dict[str, Any]) -> int:
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
     return 0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -899,16 +899,21 @@ def mixes_samples(spec: Spec, model: nn.Module, train: bool) -> bool:
 # The oracle: eager, on the whole batch or on fxpipe's micro-batches
 
 
-def micro_batches(args: Args, kwargs: Kwargs) -> list[tuple[Args, Kwargs]]:
-    """Every tensor split on dim 0 into min(CHUNKS, batch) parts, as fxpipe's scatter does."""
-    leaves, spec = tree_flatten((args, kwargs))
-    size = next(x.size(0) for x in leaves if isinstance(x, torch.Tensor))
-    parts = min(CHUNKS, size)
-    split = [x.tensor_split(parts) if isinstance(x, torch.Tensor) else None for x in leaves]
+def split_rows(tree: Any, parts: int) -> list[Any]:
+    """Every tensor of ``tree`` split on dim 0 into ``parts`` (``tensor_split``), as fxpipe's
+    scatter and torch's pipelining split a batch."""
+    leaves, spec = tree_flatten(tree)
+    cut = [x.tensor_split(parts) if isinstance(x, torch.Tensor) else None for x in leaves]
     return [
-        tree_unflatten([x if s is None else s[i] for x, s in zip(leaves, split)], spec)
+        tree_unflatten([x if c is None else c[i] for x, c in zip(leaves, cut)], spec)
         for i in range(parts)
     ]
+
+
+def micro_batches(args: Args, kwargs: Kwargs) -> list[tuple[Args, Kwargs]]:
+    """Every tensor split on dim 0 into min(CHUNKS, batch) parts, as fxpipe's scatter does."""
+    size = next(x.size(0) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor))
+    return split_rows((args, kwargs), min(CHUNKS, size))
 
 
 def join(outputs: list[Any]) -> Any:
@@ -1391,19 +1396,24 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _meta(args: argparse.Namespace) -> Row:
-    import platform
-
-    versions = {}
+def library_versions() -> dict[str, str | None]:
+    """The version of each library the models come from (None: not installed)."""
+    versions: dict[str, str | None] = {}
     for lib in ("torch", "torchvision", "timm", "transformers"):
         try:
             versions[lib] = __import__(lib).__version__
         except ImportError:
             versions[lib] = None
+    return versions
+
+
+def _meta(args: argparse.Namespace) -> Row:
+    import platform
+
     return {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
             "cpus": os.cpu_count(), "cost": args.cost, "timeout_s": args.timeout,
             "chunks": CHUNKS, "tolerance": TOLERANCE, "floor": FLOOR, "label": args.label,
-            **versions}  # fmt: skip
+            **library_versions()}  # fmt: skip
 
 
 def save(path: Path, rows: list[Row], meta: Row, merge: bool) -> list[Row]:

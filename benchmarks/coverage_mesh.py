@@ -35,7 +35,6 @@ import json
 import math
 import os
 import platform
-import socket
 import sys
 import time
 import traceback
@@ -54,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coverage as cov  # noqa: E402  (benchmarks/coverage.py: the models and the comparisons)
+from common import free_port  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
 from fxpipe.errors import FxPipeError  # noqa: E402
@@ -122,16 +122,6 @@ def batch_size(args: cov.Args, kwargs: cov.Kwargs) -> int:
     return next(x.size(0) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor))
 
 
-def split(tree: Any, parts: int) -> list[Any]:
-    """Every tensor of ``tree`` split on dim 0 into ``parts``, as torch's pipelining does."""
-    leaves, spec = tree_flatten(tree)
-    cut = [x.tensor_split(parts) if isinstance(x, torch.Tensor) else None for x in leaves]
-    return [
-        spec.unflatten([x if c is None else c[i] for x, c in zip(leaves, cut)])
-        for i in range(parts)
-    ]
-
-
 def _weights(i: int, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Leaf ``i``'s loss weights: per sample (from its global index) when the leaf's first
     dimension is the micro-batch's, else one fixed draw for the whole leaf."""
@@ -159,7 +149,7 @@ def projection_loss(output: Any, index: torch.Tensor) -> torch.Tensor:
 def micro_batches(args: cov.Args, kwargs: cov.Kwargs, m: int) -> list[list[Any]]:
     """Per replica, its ``m`` micro-batches as ``(args, kwargs, index)``."""
     index = torch.arange(batch_size(args, kwargs))
-    return [split(part, m) for part in split((args, kwargs, index), DP)]
+    return [cov.split_rows(part, m) for part in cov.split_rows((args, kwargs, index), DP)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +170,7 @@ def rank_job(name: str, config: Config) -> Row:
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     replica = mesh.get_local_rank("dp")
     index = torch.arange(batch_size(args, kwargs))
-    args, kwargs, index = split((args, kwargs, index), DP)[replica]
+    args, kwargs, index = cov.split_rows((args, kwargs, index), DP)[replica]
     pipe = fd.pipeline_schedule(
         model,
         cov.fresh(args),
@@ -236,16 +226,10 @@ def rank_entry(rank: int, port: int, out: str, name: str, config: Config) -> Non
 _CONTEXT = mp.get_context("forkserver")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(name: str, config: Config, timeout: float, tmp: Path) -> tuple[list[Any], bool]:
     """Run the 4 ranks; (exit code, saved result) per rank, and whether it timed out. Once a
     rank has failed, the others get a few seconds to fail alike, then are killed."""
-    port = _free_port()
+    port = free_port()
     procs = [
         _CONTEXT.Process(target=rank_entry, args=(r, port, str(tmp), name, config), daemon=True)
         for r in range(WORLD)
@@ -420,12 +404,6 @@ def table(rows: list[Row]) -> str:
 
 
 def _meta(args: argparse.Namespace) -> Row:
-    versions = {}
-    for lib in ("torch", "torchvision", "timm", "transformers"):
-        try:
-            versions[lib] = __import__(lib).__version__
-        except ImportError:
-            versions[lib] = None
     return {
         "date": time.strftime("%Y-%m-%d"),
         "python": platform.python_version(),
@@ -436,7 +414,7 @@ def _meta(args: argparse.Namespace) -> Row:
         "timeout_s": args.timeout,
         "tolerance": cov.TOLERANCE,
         "label": args.label,
-        **versions,
+        **cov.library_versions(),
     }
 
 

@@ -69,7 +69,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -82,7 +81,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from common import save_json
+from common import free_port, save_json
 from torch import nn
 
 import fxpipe.distributed as fd
@@ -293,9 +292,7 @@ def _timed(
 
 def pipelined(schedule: str, warmup: int, steps: int, world: int = 2) -> dict[str, Any]:
     """Wall seconds per step and CPU seconds per step of the busiest rank, pipelined."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(

@@ -605,8 +605,9 @@ def _estimate(
     pipeline = m * max(with_sends) + idle * (sum(with_sends) - max(with_sends))
     grads = max(sum(split.plan.stages[j].param_bytes for j in js) for js in ranks)
     allreduce = 2 * (dp - 1) / dp * grads / rates[1]
-    memory = max(_rank_memory(split, priced, js, r, shape, schedule, checkpoint, data_parallel)
-                 for r, js in enumerate(ranks))  # fmt: skip
+    whole = _whole(split, schedule, pp, v) if dp > 1 and data_parallel == "fsdp" else frozenset()
+    memory = max(_rank_memory(split, priced, js, r, shape, schedule, checkpoint, data_parallel,
+                              whole) for r, js in enumerate(ranks))  # fmt: skip
     return LayoutEstimate(
         pp=pp,
         dp=dp,
@@ -655,17 +656,17 @@ def _rank_memory(
     schedule: str,
     checkpoint: str,
     data_parallel: str = "ddp",
+    whole: frozenset[int] = frozenset(),
 ) -> int:
     """Peak bytes of rank ``r``: each stage's training estimate with ``f`` micro-batches in
     flight (``stage_memory`` prices ``f`` pieces of the whole batch; the activations are
     scaled to ``f`` micro-batches of ``batch / (dp m)`` rows), plus DDP's gradient buckets,
     or with FSDP the whole weights and gradients and a ``1 / dp`` shard of the rest (all
-    of a Parameter it leaves whole, once on the rank)."""
+    of a Parameter it leaves whole, ``whole``, once on the rank)."""
     pp, dp, v, m = shape
     k = split.plan.num_stages
     copies = param_copies(True)
-    left = _whole(split, schedule, pp, v) if dp > 1 and data_parallel == "fsdp" else frozenset()
-    kept = left & frozenset().union(*(split.params[j] for j in stages))
+    kept = whole & frozenset().union(*(split.params[j] for j in stages))
     total = float(copies * sum(split.sizes[i] for i in kept))  # whole, once on the rank
     for j, f in zip(stages, _in_flight(schedule, pp, v, m, r), strict=True):
         stage = split.plan.stages[j]

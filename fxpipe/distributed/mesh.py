@@ -84,7 +84,8 @@ class Layout:
         if self.dp_group is None:
             return module
         if self.data_parallel == "fsdp":
-            if all(any(p is w for w in whole) for p in module.parameters()):
+            kept = {id(w) for w in whole}
+            if all(id(p) in kept for p in module.parameters()):
                 return module  # nothing to shard (a stage of no Parameters, or only whole)
             shard = _fully_shard()
             ignored = {"ignored_params": set(whole)} if whole else {}
