@@ -17,7 +17,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.devices import same_device
-from fxpipe.errors import ConfigError, DeviceError, InputError, MemoryEstimateWarning
+from fxpipe.errors import (
+    ConfigError,
+    DeviceError,
+    InputError,
+    MemoryEstimateWarning,
+    PlanError,
+)
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.materialise import Materialised
 from fxpipe.options import RunOptions
@@ -265,6 +271,7 @@ def _place_parameters(
     """Move every parameter and buffer a stage holds to that stage's device, in place
     (``.data`` is replaced, the objects stay); one on ``meta`` is made there, uninitialised
     (:mod:`fxpipe.materialise`); all or nothing."""
+    _check_one_device_each(model, program, devices)
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     made = Materialised(model)
     try:
@@ -282,6 +289,31 @@ def _place_parameters(
         made.undo()
         raise
     return made
+
+
+def _check_one_device_each(
+    model: nn.Module, program: StageProgram, devices: tuple[torch.device, ...]
+) -> None:
+    """A Parameter or buffer two stages on different devices hold cannot live on both; the
+    planner passes such a tensor on from one stage, so this is a planning fault, refused
+    before anything moves."""
+    home: dict[int, int] = {}
+    for j, module in enumerate(program.modules):
+        for tensor in _held_tensors(module):
+            i = home.setdefault(id(tensor), j)
+            if i != j and not same_device(devices[i], devices[j]):
+                names = [n for n, t in _named_tensors(model) if t is tensor] or ["a tensor"]
+                raise PlanError(
+                    f"{names[0]} is held by stage {i} (on {devices[i]}) and stage {j} (on "
+                    f"{devices[j]}), so it cannot be placed; this is an fxpipe planning fault: "
+                    "report it with the model, and meanwhile pass tracer='export' or put the "
+                    "two stages on one device"
+                )
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
 
 
 def _held_tensors(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -17,7 +17,7 @@
 - ``routed_experts``: expert gates gathered per sample by a routing index from a stacked
   Parameter and applied blocks later (a value made from a Parameter alone crosses borders).
 - ``weight_for_dtype``: the output cast to the first layer's weight's dtype (that weight is
-  read at the end for its dtype alone).
+  read inside the first ``nn.Linear``'s call and at the end for its dtype alone).
 - ``llama``: Llama-style decoder written the way Hugging Face models are (shapes unpacked
   from ``.shape``, so only ``torch.export`` traces it): rotary tables made once and read
   by every layer, grouped-query SDPA attention, SwiGLU, RMSNorm, an additive 4-D mask
@@ -465,18 +465,19 @@ class RoutedExperts(nn.Module):
 
 class WeightForDtype(nn.Module):
     """The last layer casts to the first layer's weight's dtype, as Hugging Face code does
-    (``x.to(self.embed.weight.dtype)``): a stage late in the pipeline reads that weight for
-    its dtype alone (one process per stage: it holds a copy, which gets no gradient there)."""
+    (``x.to(self.embed.weight.dtype)``): that weight is read inside its module's call and,
+    at the end, directly for its dtype alone (one process per stage: the last stage holds a
+    copy, which gets no gradient there)."""
 
     def __init__(self, width: int = 32, depth: int = 6) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.first = nn.Linear(width, width)
         self.blocks = nn.Sequential(*(MLPBlock(width, 2 * width) for _ in range(depth)))
         self.head = nn.Linear(width, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.blocks(F.linear(x, self.weight))
-        return self.head(h).to(self.weight.dtype)
+        h = self.blocks(self.first(x))
+        return self.head(h).to(self.first.weight.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -24,6 +24,7 @@ from fxpipe.errors import (
     DeviceError,
     FxPipeError,
     InputError,
+    PlanError,
     StageRunError,
 )
 
@@ -567,3 +568,19 @@ def test_a_tied_weights_gradient_has_eagers_bits_at_one_micro_batch(checkpoint: 
     want.square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_parameter_two_stages_on_two_devices_hold_is_refused_before_anything_moves() -> None:
+    """A planning fault (one Parameter held by stages on different devices) is a clear
+    PlanError naming the Parameter, not a device mismatch in the middle of a step."""
+    from fxpipe.pipeline import _check_one_device_each
+
+    model = _net()
+    pipe = fxpipe.pipeline(model, torch.randn(8, 8), ["cpu", "cpu"])
+    shared = pipe.stages[0].get_submodule("inp")
+    pipe.stages[1].add_module("inp", shared)  # a second holder of inp's Parameters
+    devices = (torch.device("cpu"), torch.device("cuda", 0))
+    fake = type("Program", (), {"modules": tuple(pipe.stages)})()
+    with pytest.raises(PlanError, match=r"inp\.weight is held by stage 0 \(on cpu\) and stage 1"):
+        _check_one_device_each(model, fake, devices)  # type: ignore[arg-type]
+    _check_one_device_each(model, fake, (torch.device("cpu"),) * 2)  # one device: fine

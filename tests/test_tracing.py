@@ -322,6 +322,20 @@ def test_tied_weight_is_one_get_attr_read_twice(tracer: str) -> None:
     assert {id(p) for p in gm.parameters()} <= mine
 
 
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_a_weight_read_in_its_modules_call_and_directly_is_one_get_attr(tracer: str) -> None:
+    """``self.first(x)`` and later ``.to(self.first.weight.dtype)``: no module call hides a
+    second holder of the weight, which would put it in two stages."""
+    model, t = traced("weight_for_dtype", tracer)
+    gm = t.graph_module
+    weight = model.first.weight
+    assert len(_tied_get_attrs(gm, weight)) == 1
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            held = gm.get_submodule(str(node.target)).parameters()
+            assert all(p is not weight for p in held), node.name
+
+
 class VarKeyword(nn.Module):
     """``forward(x, **kwargs)``, as many Hugging Face models are written."""
 

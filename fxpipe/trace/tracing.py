@@ -152,6 +152,22 @@ def _shared_parameter_owners(model: nn.Module) -> frozenset[str]:
     return frozenset(path for paths in owners.values() if len(paths) > 1 for path in paths)
 
 
+def _leaves_to_trace_through(
+    model: nn.Module, graph: fx.Graph, leaf_calls: Mapping[str, int]
+) -> frozenset[str]:
+    """Leaf modules whose parameters or buffers two stages could hold: one called more than
+    once, and one whose tensor the graph also reads through a ``get_attr`` (``self.lin(x)``
+    and later ``x.to(self.lin.weight.dtype)``). Traced through, their tensors become
+    ``get_attr`` values, each with one home stage that passes it on."""
+    reused = {path for path, n in leaf_calls.items() if n > 1}
+    read = {id(attrgetter(str(n.target))(model)) for n in graph.nodes if n.op == "get_attr"}
+    for path in leaf_calls:
+        module = model.get_submodule(path)
+        if any(id(t) in read for t in (*module.parameters(), *module.buffers())):
+            reused.add(path)
+    return frozenset(reused)
+
+
 def _trace_fx(
     model: nn.Module,
     signature: inspect.Signature,
@@ -163,8 +179,8 @@ def _trace_fx(
     tracer = _Tracer(_shared_parameter_owners(model))
     with functions_kept_whole():
         graph = tracer.trace(model, concrete_args=concrete or None)
-        reused = frozenset(p for p, n in tracer.leaf_calls.items() if n > 1)
-        if reused:  # a leaf called twice would put its parameters in two stages
+        reused = _leaves_to_trace_through(model, graph, tracer.leaf_calls)
+        if reused:  # a leaf called twice, or whose tensors the graph also reads itself
             tracer = _Tracer(tracer.shared_owners | reused)
             graph = tracer.trace(model, concrete_args=concrete or None)
     _plain_placeholders(graph)
