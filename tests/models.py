@@ -16,6 +16,8 @@
 - ``shared_module``: one block called at two depths (weights reused across the graph).
 - ``routed_experts``: expert gates gathered per sample by a routing index from a stacked
   Parameter and applied blocks later (a value made from a Parameter alone crosses borders).
+- ``shared_offsets``: every block's pre-activation offset by its own Parameter plus one
+  Parameter all blocks share (gradients a split backward once counted several times).
 - ``weight_for_dtype``: the output cast to the first layer's weight's dtype (that weight is
   read inside the first ``nn.Linear``'s call and at the end for its dtype alone).
 - ``llama``: Llama-style decoder written the way Hugging Face models are (shapes unpacked
@@ -463,6 +465,32 @@ class RoutedExperts(nn.Module):
         return self.head(h * torch.sigmoid(chosen).repeat(1, 4) * weight.unsqueeze(-1))
 
 
+class SharedOffsets(nn.Module):
+    """Residual blocks whose hidden pre-activations get a per-block offset plus one offset
+    shared by every block (``fc1(h) + (offsets[k] + shared)``), the per-block Parameters
+    registered first: torch's split backward once grouped such Parameters so that the
+    zero-bubble schedules counted their gradients several times over, silently (additions
+    save no tensors, so nothing crashed)."""
+
+    def __init__(self, width: int = 32, hidden: int = 48, depth: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.fc1 = nn.ModuleList(nn.Linear(width, hidden) for _ in range(depth))
+        self.fc2 = nn.ModuleList(nn.Linear(hidden, width) for _ in range(depth))
+        self.offsets = nn.ParameterList(
+            nn.Parameter(0.1 * torch.randn(hidden)) for _ in range(depth)
+        )
+        self.shared = nn.Parameter(0.1 * torch.randn(hidden))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for norm, fc1, fc2, offset in zip(self.norms, self.fc1, self.fc2, self.offsets):
+            h = h + fc2(F.gelu(fc1(norm(h)) + (offset + self.shared)))
+        return self.head(h)
+
+
 class WeightForDtype(nn.Module):
     """The last layer casts to the first layer's weight's dtype, as Hugging Face code does
     (``x.to(self.embed.weight.dtype)``): that weight is read inside its module's call and,
@@ -726,6 +754,7 @@ _CASES = [
     Case("shared_module", _seeded(SharedBlockNet), _randn(20), tags=_t("shared")),
     Case("routed_experts", _seeded(RoutedExperts), _randn(32)),
     Case("weight_for_dtype", _seeded(WeightForDtype), _randn(32)),
+    Case("shared_offsets", _seeded(SharedOffsets), _randn(32)),
     Case(
         "llama",
         _seeded(TinyLlama),

@@ -697,18 +697,21 @@ MESH_CASES = [
 #: Zero-bubble schedules (backward split into input and weight parts), FSDP only: the
 #: V-shaped ZBV and DualPipeV (stages r and 3 - r on rank r: the tied embedding and head
 #: both on rank 0) and interleaved zero bubble; routed_experts sends gates gathered from a
-#: Parameter alone out of stage 2.
+#: Parameter alone out of stage 2; shared_offsets adds one Parameter to each block's own
+#: (torch's split backward grouped them so that their gradients counted several times).
 ZERO_BUBBLE_CASES = [
     ("unet", "zbvzerobubble", 2),
     ("unet", "dualpipev", 2),
     ("transformer", "interleavedzerobubble", 2),
     ("transformer", "zbvzerobubble", 2),
     ("routed_experts", "zbvzerobubble", 2),
+    ("shared_offsets", "zbvzerobubble", 2),
 ]
 #: Under FSDP, the Parameters left whole (read by two stages of one rank), by case and
 #: the rank's stages: the tied embedding on ZBV's rank 0, the block called at two depths.
 WHOLE = {
     ("transformer", "zbvzerobubble"): {(0, 3): ["tok.weight"]},
+    ("shared_offsets", "zbvzerobubble"): {(0, 3): ["shared"], (1, 2): ["shared"]},
     ("shared_module", "loopedbfs"): {
         (0, 2): [f"shared.{m}.{p}" for m in ("fc1", "fc2", "norm") for p in ("bias", "weight")]
     },
@@ -1129,3 +1132,4 @@ def test_a_stage_without_parameters_is_not_wrapped_for_data_parallelism() -> Non
     assert ddp.wrap(frozen, torch.device("cpu")) is frozen
     with pytest.raises((AttributeError, TypeError, ValueError, RuntimeError)):
         ddp.wrap(nn.Linear(2, 2), torch.device("cpu"))  # wrapped: DDP reads the fake group
+

@@ -25,6 +25,8 @@ Modules:
   activation shapes, the agreement check.
 - ``runner``: :class:`DistributedPipeline`: the stages, the torch schedule, gradients of
   shared parameters, state-dict shards.
+- ``split_backward``: the weight part of a zero-bubble stage's backward, computed by
+  fxpipe from torch's input part (torch's own counts some gradients twice or crashes).
 - ``ownership``: which of the model's tensors a rank keeps; releasing and materialising
   them; :func:`merge_state_dicts`.
 - ``mesh``: pipeline x data parallel: the ``"pp"`` and ``"dp"`` groups of a 2-D

@@ -18,6 +18,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, Layout
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
+from fxpipe.distributed.split_backward import (
+    disjoint_param_groups,
+    stage_graph,
+    weight_gradients,
+    weight_side,
+)
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import CheckpointError, ConfigError, InputError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
@@ -401,16 +407,35 @@ def _copied(t: torch.Tensor, how: str) -> torch.Tensor:
 
 
 class _Anchor(torch.autograd.Function):
-    """``t`` handed out (:func:`_copied`), joined in the autograd graph to ``anchor`` (a stage
-    input); its gradient passes to ``t`` alone."""
+    """``t`` handed out (:func:`_copied`, one subclass per way), joined in the autograd
+    graph to ``anchor`` (a stage input); its gradient passes to ``t`` alone. Tensor
+    arguments only, so that its backward's results line up with its node's inputs
+    (:mod:`fxpipe.distributed.split_backward` calls it)."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor, how: str) -> torch.Tensor:
-        return _copied(t, how)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
+
+class _AnchorView(_Anchor):
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad, None, None
+    def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return _copied(t, "view")
+
+
+class _AnchorClone(_Anchor):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return _copied(t, "clone")
+
+
+class _AnchorContiguous(_Anchor):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return _copied(t, "contiguous")
+
+
+_ANCHORS = {"view": _AnchorView, "clone": _AnchorClone, "contiguous": _AnchorContiguous}
 
 
 def _anchor_of(inputs: tuple[Any, ...]) -> torch.Tensor | None:
@@ -428,7 +453,7 @@ def _copy(t: torch.Tensor, anchor: torch.Tensor | None, how: str) -> torch.Tenso
     Parameters and no input that needs a gradient is refused by ``pipeline_schedule``."""
     if anchor is None or not t.requires_grad:
         return _copied(t, how)
-    out: torch.Tensor = _Anchor.apply(t, anchor, how)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _ANCHORS[how].apply(t, anchor)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -571,6 +596,29 @@ class _Stage(PipelineStage):
         if self.statistics is not None:
             self.statistics.warn_once(self.n_microbatches)
         super().clear_runtime_states()
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """torch's, but for the weight part of a split backward, which
+        :mod:`fxpipe.distributed.split_backward` computes (torch's counts some gradients
+        twice, or runs the activations' backward again and crashes): after the input part,
+        the Parameter groups are made disjoint and each gets its weight side; the weight
+        part runs under torch's data-parallel settings, with torch's own given no group."""
+        if backward_type == "weight" and bwd_kwargs.get("param_groups"):
+            groups = bwd_kwargs["param_groups"]
+            none = {**bwd_kwargs, "param_groups": []}
+            result = super().backward_maybe_with_nosync(backward_type, none, *args, **kwargs)
+            weight_gradients(self.submod.parameters(), groups)
+            return result
+        if backward_type != "input":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, *args, **kwargs)
+        outputs, inputs = bwd_kwargs["stage_output"], bwd_kwargs["input_values"]
+        graph = stage_graph(outputs, inputs)  # before torch detaches the outputs
+        grads, groups = super().backward_maybe_with_nosync(
+            backward_type, bwd_kwargs, *args, **kwargs
+        )
+        return grads, weight_side(disjoint_param_groups(groups or []), graph)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         if grad_scale_factor != 1:
