@@ -1133,3 +1133,31 @@ def test_a_stage_without_parameters_is_not_wrapped_for_data_parallelism() -> Non
     with pytest.raises((AttributeError, TypeError, ValueError, RuntimeError)):
         ddp.wrap(nn.Linear(2, 2), torch.device("cpu"))  # wrapped: DDP reads the fake group
 
+
+@pytest.mark.parametrize(
+    "name, stages, idle",
+    [
+        ("weight_for_dtype", 2, (False, True)),
+        ("mlp_residual", 3, (False, False, False)),
+        ("transformer", 2, (False, False)),
+    ],  # fmt: skip
+)
+def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
+    name: str, stages: int, idle: tuple[bool, ...]
+) -> None:
+    """DDP searches each step for Parameters its stage gives no gradient only where the
+    stage holds a trained one its outputs do not depend on (weight_for_dtype's last stage
+    reads the first layer's weight for its dtype); elsewhere the search is skipped (and
+    torch's warning that it found none)."""
+    from fxpipe.api import compile_model
+    from fxpipe.distributed.build import _stage_metas
+    from fxpipe.options import PlanOptions
+
+    case = ZOO[name]
+    model = case.build()
+    args, kwargs = case.example(BATCH)
+    options = PlanOptions(cost="flops", chunks=N_MB, traffic="relay", replicate_weights=True)
+    compiled = compile_model(model, args, ["cpu"] * stages, options, example_kwargs=kwargs)
+    values = compiled.traced.binder.bind(args, kwargs)
+    _, found = _stage_metas(model, compiled.program, values)
+    assert found == idle

@@ -145,7 +145,7 @@ def pipeline_schedule(
     plan, program = compiled.plan, compiled.program
     check_micro_batches(compiled.traced, n_microbatches, model, option="n_microbatches")
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
-    metas = _stage_metas(model, program, values)
+    metas, idle = _stage_metas(model, program, values)
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
     _check_weight_part(kind, program, metas)
     ranks = stage_ranks(world, total, v_shaped=kind in V_SHAPED)
@@ -168,6 +168,7 @@ def pipeline_schedule(
         loss_fn=loss_fn,
         scale_grads=scale_grads,
         layout=layout,
+        idle=idle,
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
         input_shapes=tuple(tuple(t.shape) for t in _tensors((mb_args, mb_kwargs))),
         whole=whole,
@@ -389,16 +390,20 @@ def _meta(spec: _Spec) -> torch.Tensor:
     return t.requires_grad_(grad) if t.is_floating_point() or t.is_complex() else t
 
 
-def _stage_metas(model: nn.Module, program: StageProgram, values: tuple[Any, ...]) -> list[Metas]:
+def _stage_metas(
+    model: nn.Module, program: StageProgram, values: tuple[Any, ...]
+) -> tuple[list[Metas], tuple[bool, ...]]:
     """Meta tensors shaped like each stage's inputs and outputs for one micro-batch: from a
     run on fake tensors, or, where an output's shape depends on tensor values (an
     ``.item()`` in a length check) and the example holds real ones, from a run on the
-    example's micro-batch itself (its buffer updates undone)."""
+    example's micro-batch itself (its buffer updates undone). Also, per stage, whether it
+    holds a trained Parameter its outputs do not depend on (one it reads for its dtype or
+    shape alone), for which DDP must look each step."""
     saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     try:
         with torch.random.fork_rng(devices=[]):
             try:
-                specs = _chain_specs(program, values, fake=True)
+                specs, idle = _chain_specs(program, values, fake=True)
             except (DataDependentOutputException, DynamicOutputShapeException) as e:
                 if any(t.is_meta for t in _tensors(values)):
                     raise ConfigError(
@@ -407,28 +412,29 @@ def _stage_metas(model: nn.Module, program: StageProgram, values: tuple[Any, ...
                         "build the model with real weights, or make the shape not depend "
                         "on values"
                     ) from e
-                specs = _chain_specs(program, values, fake=False)
+                specs, idle = _chain_specs(program, values, fake=False)
     finally:
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
     # Made outside the fake mode: a tensor made inside would keep the mode (and its weak
     # references to the model's tensors) alive.
-    return [(tuple(map(_meta, a)), tuple(map(_meta, b))) for a, b in specs]
+    return [(tuple(map(_meta, a)), tuple(map(_meta, b))) for a, b in specs], tuple(idle)
 
 
 def _chain_specs(
     program: StageProgram, values: tuple[Any, ...], *, fake: bool
-) -> list[tuple[list[_Spec], list[_Spec]]]:
+) -> tuple[list[tuple[list[_Spec], list[_Spec]]], list[bool]]:
     """Each stage's input and output specs, the stages run in turn on ``values`` (as fake
-    tensors with ``fake``), with gradients on so that ``requires_grad`` is known."""
+    tensors with ``fake``), with gradients on so that ``requires_grad`` is known; and for
+    each stage whether it holds a trained Parameter its outputs do not depend on."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    specs = []
+    specs, idle = [], []
     with mode, torch.enable_grad():
-        if isinstance(mode, FakeTensorMode):
-            values = tree_map(
-                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, values
-            )
+        as_run: Callable[[torch.Tensor], torch.Tensor] = (
+            mode.from_tensor if isinstance(mode, FakeTensorMode) else (lambda t: t)
+        )
+        values = tree_map(lambda t: as_run(t) if isinstance(t, torch.Tensor) else t, values)
         env = dict(zip(program.graph_inputs, values))
         for j, module in enumerate(program.modules):
             ins = [env[n] for n in program.inputs[j]]
@@ -436,8 +442,30 @@ def _chain_specs(
             env.update(zip(program.outputs[j], outs))
             names_in, names_out = program.inputs[j], program.outputs[j]
             specs.append((_specs(j, names_in, ins, j > 0), _specs(j, names_out, outs, True)))
+            used = _accumulated(_tensors(outs), _tensors(ins))
+            trained = [p for p in module.parameters() if p.requires_grad]
+            # the graph holds the Parameters themselves (a fake mode lets real ones in)
+            idle.append(any(id(p) not in used for p in trained))
         del env, values, ins, outs
-    return specs
+    return specs, idle
+
+
+def _accumulated(outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor]) -> set[int]:
+    """The ids of the leaf tensors whose gradients backward from a stage's ``outputs``
+    accumulates, down to the stage's ``inputs`` (the earlier stages' graph is not its)."""
+    found: set[int] = set()
+    seen: set[Any] = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            found.add(id(leaf))
+        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
+    return found
 
 
 def _specs(j: int, names: Iterable[str], values: Iterable[Any], strict: bool) -> list[_Spec]:

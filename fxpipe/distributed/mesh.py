@@ -63,18 +63,25 @@ class Layout:
         return self.dp_group is not None and self.data_parallel == "fsdp"
 
     def wrap(
-        self, module: nn.Module, device: torch.device, whole: Collection[nn.Parameter] = ()
+        self,
+        module: nn.Module,
+        device: torch.device,
+        whole: Collection[nn.Parameter] = (),
+        *,
+        find_unused: bool = True,
     ) -> nn.Module:
         """``module`` as its stage's replicas train it: under DDP or ``fully_shard`` over
         ``"dp"``, else as is. DDP does not broadcast buffers each forward (one collective
         per micro-batch): the replicas start equal and update them alike, except batch-norm
         running statistics, which each updates from its own micro-batches (warned about at
-        the first step). DDP looks for Parameters its stage gives no gradient
-        (``find_unused_parameters=True``): a stage can hold a weight it reads for its shape
-        or dtype alone (Hugging Face's ``x.to(self.weight.dtype)``, BiT's
-        ``reshape_as(self.weight)``, export's dtype asserts), whose gradient comes from
-        another stage; without the search DDP waits for that gradient, reduces none of the
-        stage's, and the replicas silently part (DDP's error comes a step later).
+        the first step). With ``find_unused`` (a stage that holds a weight it reads for its
+        shape or dtype alone: Hugging Face's ``x.to(self.weight.dtype)``, BiT's
+        ``reshape_as(self.weight)``, export's dtype asserts; its gradient comes from another
+        stage) DDP looks for the Parameters its stage gives no gradient each step
+        (``find_unused_parameters=True``); without the search DDP would wait for that
+        gradient, reduce none of the stage's, and the replicas would silently part (DDP's
+        error comes a step later). Other stages skip the search (and torch's warning that
+        it found nothing).
         ``fully_shard`` keeps the gathered parameters from the first forward to the last
         backward of a step (``reshard_after_forward=False``: one gather per step, not one
         per micro-batch), and leaves the Parameters of ``whole`` whole (unsharded, not
@@ -100,7 +107,7 @@ class Layout:
             module,
             device_ids=[device] if device.type == "cuda" else None,
             process_group=self.dp_group,
-            find_unused_parameters=True,
+            find_unused_parameters=find_unused,
             **no_sync,
         )
 

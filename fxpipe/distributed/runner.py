@@ -65,6 +65,7 @@ class DistributedPipeline:
         statistics: BatchStatistics | None = None,
         input_shapes: tuple[tuple[int, ...], ...] | None = None,
         whole: frozenset[int] = frozenset(),
+        idle: tuple[bool, ...] | None = None,
     ) -> None:
         self.plan, self.group, self.device = plan, group, device
         self.layout = layout or Layout(group)
@@ -80,6 +81,8 @@ class DistributedPipeline:
         self._own.place(device, [model, plan.graph_module, *program.modules])
         kept = [t for k, _, t in self._own.replicated if k in self._own.whole_keys]
         self._whole = {id(t) for t in kept if t is not None}  # left whole by FSDP (placed)
+        # stages holding a trained Parameter their outputs do not depend on (None: unknown)
+        self._idle = idle or (True,) * plan.num_stages
         self._tied = TiedGuard(self._own)
         copies = kind in SPLIT_BACKWARD
         self._statistics, self._n_microbatches = statistics, n_microbatches
@@ -115,7 +118,7 @@ class DistributedPipeline:
         module.no_views = self.layout.sharded
         whole = [p for p in module.parameters() if id(p) in self._whole]
         stage = _Stage(
-            self.layout.wrap(module, self.device, whole),
+            self.layout.wrap(module, self.device, whole, find_unused=self._idle[j]),
             j,
             self.num_stages,
             self.device,
