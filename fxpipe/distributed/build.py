@@ -431,10 +431,10 @@ def _chain_specs(
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     specs, idle = [], []
     with mode, torch.enable_grad():
-        as_run: Callable[[torch.Tensor], torch.Tensor] = (
-            mode.from_tensor if isinstance(mode, FakeTensorMode) else (lambda t: t)
-        )
-        values = tree_map(lambda t: as_run(t) if isinstance(t, torch.Tensor) else t, values)
+        if isinstance(mode, FakeTensorMode):
+            values = tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, values
+            )
         env = dict(zip(program.graph_inputs, values))
         for j, module in enumerate(program.modules):
             ins = [env[n] for n in program.inputs[j]]

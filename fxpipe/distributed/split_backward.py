@@ -149,7 +149,7 @@ def weight_gradients(weights: Iterable[torch.Tensor], groups: list[ParamGroup]) 
     """The weight part for ``groups`` (made by :func:`weight_side`): each Parameter's
     gradient added to its ``.grad``, as torch's weight part adds it. Each group's part of
     the graph is freed as it is run (the groups share no node)."""
-    by_node = {_node_of(w): w for w in weights}
+    by_node = {node: w for w in weights if (node := _node_of(w)) is not None}
     for group in groups:
         found = _group_gradients(group, by_node)
         with torch.no_grad():
@@ -164,7 +164,7 @@ def weight_gradients(weights: Iterable[torch.Tensor], groups: list[ParamGroup]) 
 
 
 def _group_gradients(
-    group: ParamGroup, by_node: dict[Node | None, torch.Tensor]
+    group: ParamGroup, by_node: dict[Node, torch.Tensor]
 ) -> dict[Node, torch.Tensor]:
     """One group's Parameter gradients, by accumulator node: each recorded node's backward
     into its weight side, then the engine from there to the Parameters."""

@@ -160,12 +160,22 @@ def _leaves_to_trace_through(
     and later ``x.to(self.lin.weight.dtype)``). Traced through, their tensors become
     ``get_attr`` values, each with one home stage that passes it on."""
     reused = {path for path, n in leaf_calls.items() if n > 1}
-    read = {id(attrgetter(str(n.target))(model)) for n in graph.nodes if n.op == "get_attr"}
+    read = {
+        id(attrgetter(str(n.target))(model)) for n in graph.nodes if _names_attribute(model, n)
+    }
     for path in leaf_calls:
         module = model.get_submodule(path)
         if any(id(t) in read for t in (*module.parameters(), *module.buffers())):
             reused.add(path)
     return frozenset(reused)
+
+
+def _names_attribute(model: nn.Module, node: fx.Node) -> bool:
+    """Whether ``node`` is a ``get_attr`` of something ``model`` has."""
+    try:
+        return node.op == "get_attr" and attrgetter(str(node.target))(model) is not None
+    except AttributeError:
+        return False
 
 
 def _trace_fx(
