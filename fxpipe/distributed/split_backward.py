@@ -4,7 +4,7 @@ computed so that each Parameter gets its eager gradient exactly once.
 torch's input part records, per group of Parameters, the autograd nodes (intermediates)
 where the Parameters' uses meet what the stage's inputs reach, and the gradients those
 nodes received. Its weight part then runs backward from those nodes to each group's
-Parameters, one group at a time, freeing the graph as it goes. Three faults, found on real
+Parameters, one group at a time, freeing the graph as it goes. Two faults, found on real
 models and measured on torch 2.13:
 
 - Its grouping is not transitive: a Parameter whose uses meet the nodes of two groups is
@@ -19,13 +19,14 @@ models and measured on torch 2.13:
   "Trying to backward through the graph a second time" (a per-block offset added to a
   shared one; Hugging Face ProphetNet). Older releases also add what flows down that path
   to what the earlier node recorded (torch's issue 180952).
-- :func:`weight_gradients` therefore goes from each recorded node only into its inputs
-  that no stage input reaches (the Parameters' side, found by :func:`weight_side` during
-  the input part), and from there to the Parameters: no activation is run twice, and each
-  node's recorded gradient counts once. The engine computes that first step where the
-  node alone feeds those inputs (it then computes no activation gradient); where a value
-  is used twice (``x @ w @ w``) the node is called itself, which also recomputes its
-  activations' gradient.
+
+fxpipe's :func:`weight_gradients` therefore goes from each recorded node only into its
+inputs that no stage input reaches (the Parameters' side, found by :func:`weight_side`
+during the input part), and from there to the Parameters: no activation is run twice, and
+each node's recorded gradient counts once. The engine computes that first step where the
+node alone feeds those inputs (it then computes no activation gradient); where a value is
+used twice (``x @ w @ w``) the node is called itself, which also recomputes its
+activations' gradient.
 """
 
 from __future__ import annotations
