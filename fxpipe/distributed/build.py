@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +33,7 @@ from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, check_sharding, mesh_layout
 from fxpipe.distributed.runner import DistributedPipeline, Metas
+from fxpipe.distributed.split_backward import autograd_nodes
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
 from fxpipe.options import PlanOptions
@@ -450,22 +451,12 @@ def _chain_specs(
     return specs, idle
 
 
-def _accumulated(outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor]) -> set[int]:
+def _accumulated(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> set[int]:
     """The ids of the leaf tensors whose gradients backward from a stage's ``outputs``
     accumulates, down to the stage's ``inputs`` (the earlier stages' graph is not its)."""
-    found: set[int] = set()
-    seen: set[Any] = {t.grad_fn for t in inputs if t.grad_fn is not None}
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        leaf = getattr(node, "variable", None)
-        if isinstance(leaf, torch.Tensor):
-            found.add(id(leaf))
-        stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return found
+    nodes = autograd_nodes(outputs, stop_at=inputs)
+    leaves = (getattr(node, "variable", None) for node in nodes)
+    return {id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)}
 
 
 def _specs(j: int, names: Iterable[str], values: Iterable[Any], strict: bool) -> list[_Spec]:

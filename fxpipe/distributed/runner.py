@@ -410,35 +410,26 @@ def _copied(t: torch.Tensor, how: str) -> torch.Tensor:
 
 
 class _Anchor(torch.autograd.Function):
-    """``t`` handed out (:func:`_copied`, one subclass per way), joined in the autograd
-    graph to ``anchor`` (a stage input); its gradient passes to ``t`` alone. Tensor
-    arguments only, so that its backward's results line up with its node's inputs
-    (:mod:`fxpipe.distributed.split_backward` calls it)."""
+    """``t`` handed out (:func:`_copied`; one subclass per way, made by :func:`_anchor`),
+    joined in the autograd graph to ``anchor`` (a stage input); its gradient passes to
+    ``t`` alone. Tensor arguments only, so that its backward's results line up with its
+    node's inputs (:mod:`fxpipe.distributed.split_backward` calls it)."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
-class _AnchorView(_Anchor):
-    @staticmethod
+def _anchor(how: str) -> type[_Anchor]:
+    """The :class:`_Anchor` that hands ``t`` out as ``how`` says."""
+
     def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return _copied(t, "view")
+        return _copied(t, how)
+
+    return type(f"_Anchor_{how}", (_Anchor,), {"forward": staticmethod(forward)})
 
 
-class _AnchorClone(_Anchor):
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return _copied(t, "clone")
-
-
-class _AnchorContiguous(_Anchor):
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return _copied(t, "contiguous")
-
-
-_ANCHORS = {"view": _AnchorView, "clone": _AnchorClone, "contiguous": _AnchorContiguous}
+_ANCHORS = {how: _anchor(how) for how in ("view", "clone", "contiguous")}
 
 
 def _anchor_of(inputs: tuple[Any, ...]) -> torch.Tensor | None:

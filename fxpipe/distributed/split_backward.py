@@ -42,6 +42,7 @@ from fxpipe.errors import StageError
 
 __all__ = [
     "StageGraph",
+    "autograd_nodes",
     "disjoint_param_groups",
     "stage_graph",
     "weight_gradients",
@@ -114,7 +115,7 @@ class StageGraph:
 
 def stage_graph(outputs: Sequence[Any], inputs: Sequence[Any]) -> StageGraph:
     """The :class:`StageGraph` under a stage's ``outputs``, for its ``inputs``."""
-    order = _post_order(_nodes(outputs))
+    order = autograd_nodes(outputs, stop_at=inputs)
     reaching = set(_nodes(inputs))
     feeds: dict[tuple[Node, int], int] = {}
     for node in order:
@@ -281,12 +282,13 @@ def _nodes(values: Sequence[Any]) -> list[Node]:
     ]
 
 
-def _post_order(roots: list[Node]) -> list[Node]:
-    """The nodes under ``roots``, each after every node under it (no recursion: graphs are
-    deep)."""
+def autograd_nodes(outputs: Sequence[Any], stop_at: Sequence[Any] = ()) -> list[Node]:
+    """The autograd nodes under the tensors among ``outputs``, down to (without) those of
+    the tensors among ``stop_at`` (a stage's inputs), each after every node under it (no
+    recursion: graphs are deep)."""
     order: list[Node] = []
-    seen: set[Node] = set()
-    stack = [(n, False) for n in roots]
+    seen: set[Node] = set(_nodes(stop_at))
+    stack = [(n, False) for n in _nodes(outputs)]
     while stack:
         node, done = stack.pop()
         if done:

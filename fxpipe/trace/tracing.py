@@ -160,9 +160,7 @@ def _leaves_to_trace_through(
     and later ``x.to(self.lin.weight.dtype)``). Traced through, their tensors become
     ``get_attr`` values, each with one home stage that passes it on."""
     reused = {path for path, n in leaf_calls.items() if n > 1}
-    read = {
-        id(attrgetter(str(n.target))(model)) for n in graph.nodes if _names_attribute(model, n)
-    }
+    read = {id(_attribute(model, n)) for n in graph.nodes if n.op == "get_attr"}
     for path in leaf_calls:
         module = model.get_submodule(path)
         if any(id(t) in read for t in (*module.parameters(), *module.buffers())):
@@ -170,12 +168,13 @@ def _leaves_to_trace_through(
     return frozenset(reused)
 
 
-def _names_attribute(model: nn.Module, node: fx.Node) -> bool:
-    """Whether ``node`` is a ``get_attr`` of something ``model`` has."""
+def _attribute(model: nn.Module, node: fx.Node) -> Any:
+    """What the ``get_attr`` ``node`` names on ``model`` (None: ``model`` has no such
+    attribute)."""
     try:
-        return node.op == "get_attr" and attrgetter(str(node.target))(model) is not None
+        return attrgetter(str(node.target))(model)
     except AttributeError:
-        return False
+        return None
 
 
 def _trace_fx(
