@@ -34,7 +34,7 @@ if str(TESTS.parent) not in sys.path:  # the ranks import this module by its pac
     sys.path.append(str(TESTS.parent))
 
 from helpers import sweep  # noqa: E402
-from models import ZOO, FixedRows, ResidualMLP, TinyGPT  # noqa: E402
+from models import ZOO, FixedRows, LocalConvTokens, ResidualMLP, TinyGPT  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
 from fxpipe.distributed.ownership import is_dtensor  # noqa: E402
@@ -718,6 +718,41 @@ WHOLE = {
 }
 
 
+def _local_conv_tokens() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """LocalConvTokens (same weights each call), a batch of ``N_MB`` images, a target."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LocalConvTokens()
+    x = torch.randn(N_MB, 3, 8, 8, generator=_gen())
+    return model, x, torch.randn(N_MB, 5, generator=_gen())
+
+
+def _strided_boundaries(
+    rank: int, world: int, *, schedules: list[tuple[str, int]]
+) -> list[dict[str, Any]]:
+    """For each (schedule, stages per rank): one step of LocalConvTokens in one-sample
+    micro-batches; the loss, the gradients, and whether a stage receives a value whose
+    layout is not a contiguous tensor's."""
+    out = []
+    for schedule, spr in schedules:
+        model, x, target = _local_conv_tokens()
+        pipe = fd.pipeline_schedule(
+            model, x, schedule=schedule, n_microbatches=N_MB, loss_fn=_sum_sq, stages_per_rank=spr
+        )
+        losses = _step(pipe, (x,), {}, target)
+        # a permuted layout: strides not in decreasing order
+        received = [s for j, layouts in enumerate(pipe._layouts or ()) if j > 0 for s in layouts]
+        strided = any(list(s) != sorted(s, reverse=True) for s in received)
+        out.append(
+            {
+                "loss": float(sum(losses)) if losses else None,
+                "grads": {k: p.grad.clone() for k, p in pipe.named_parameters()},
+                "strided": strided,
+            }
+        )
+    return out
+
+
 def _train_cases(
     rank: int, world: int, *, cases: list[tuple[str, str, int]], **options: Any
 ) -> list[dict[str, Any]]:
@@ -811,6 +846,30 @@ def test_a_checkpoint_saved_at_two_by_two_resumes_at_four_by_one_and_in_eager(
     dcp.load({"model": state}, checkpoint_id=str(folder))  # one process: the eager model
     for key, value in saved.items():
         assert torch.equal(state[key], value), key
+
+
+@pytest.mark.slow
+def test_a_strided_boundary_value_gets_its_gradient_in_its_own_layout(tmp_path: Path) -> None:
+    """Each LocalConvTokens block hands the next a strided view; with one-sample micro-
+    batches torch sent it, and sent its gradient back, contiguous, and the sending stage's
+    BatchNorm backward gave wrong gradients on that layout (TinyViT: gradients of the
+    first stage off by their own size, loss equal). Against eager run one micro-batch at a
+    time (BatchNorm in training mode normalises each), for a whole backward and a split one
+    (zero bubble hands out copies)."""
+    schedules = [("gpipe", 1), ("zbvzerobubble", 2)]
+    runs = _launch(_strided_boundaries, 2, tmp_path, schedules=schedules)
+    model, x, target = _local_conv_tokens()
+    loss = sum(_sum_sq(model(x[i : i + 1]), target[i : i + 1]) for i in range(N_MB))
+    loss.backward()
+    for (schedule, _), *results in zip(schedules, *_results(runs), strict=True):
+        assert any(r["strided"] for r in results), schedule  # the case is still exercised
+        assert sum(r["loss"] for r in results if r["loss"] is not None) == pytest.approx(
+            loss.item(), rel=1e-5
+        )
+        got = {k: g for r in results for k, g in r["grads"].items()}
+        assert set(got) == {k for k, _ in model.named_parameters()}
+        for key, p in model.named_parameters():
+            _close(got[key], p.grad, f"{schedule}: grad of {key}")
 
 
 @pytest.mark.slow
@@ -1159,5 +1218,5 @@ def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
     options = PlanOptions(cost="flops", chunks=N_MB, traffic="relay", replicate_weights=True)
     compiled = compile_model(model, args, ["cpu"] * stages, options, example_kwargs=kwargs)
     values = compiled.traced.binder.bind(args, kwargs)
-    _, found = _stage_metas(model, compiled.program, values)
+    _, found, _ = _stage_metas(model, compiled.program, values)
     assert found == idle

@@ -27,6 +27,9 @@ Modules:
   shared parameters, state-dict shards.
 - ``split_backward``: the weight part of a zero-bubble stage's backward, computed by
   fxpipe from torch's input part (torch's own counts some gradients twice or crashes).
+- ``strides``: boundary values and their gradients in eager's memory layout on both sides
+  of a send (torch sends contiguous buffers, and some CPU kernels answer wrongly for the
+  layouts that otherwise reach them).
 - ``ownership``: which of the model's tensors a rank keeps; releasing and materialising
   them; :func:`merge_state_dicts`.
 - ``mesh``: pipeline x data parallel: the ``"pp"`` and ``"dp"`` groups of a 2-D

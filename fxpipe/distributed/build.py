@@ -34,6 +34,7 @@ from fxpipe.devices import parse_device
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, check_sharding, mesh_layout
 from fxpipe.distributed.runner import DistributedPipeline, Metas
 from fxpipe.distributed.split_backward import autograd_nodes
+from fxpipe.distributed.strides import Strides, layout_of
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
 from fxpipe.options import PlanOptions
@@ -146,7 +147,7 @@ def pipeline_schedule(
     plan, program = compiled.plan, compiled.program
     check_micro_batches(compiled.traced, n_microbatches, model, option="n_microbatches")
     values = compiled.traced.binder.bind(mb_args, mb_kwargs)
-    metas, idle = _stage_metas(model, program, values)
+    metas, idle, layouts = _stage_metas(model, program, values)
     metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
     _check_weight_part(kind, program, metas)
     ranks = stage_ranks(world, total, v_shaped=kind in V_SHAPED)
@@ -170,6 +171,7 @@ def pipeline_schedule(
         scale_grads=scale_grads,
         layout=layout,
         idle=idle,
+        layouts=layouts,
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
         input_shapes=tuple(tuple(t.shape) for t in _tensors((mb_args, mb_kwargs))),
         whole=whole,
@@ -393,18 +395,19 @@ def _meta(spec: _Spec) -> torch.Tensor:
 
 def _stage_metas(
     model: nn.Module, program: StageProgram, values: tuple[Any, ...]
-) -> tuple[list[Metas], tuple[bool, ...]]:
+) -> tuple[list[Metas], tuple[bool, ...], tuple[tuple[Strides, ...], ...]]:
     """Meta tensors shaped like each stage's inputs and outputs for one micro-batch: from a
     run on fake tensors, or, where an output's shape depends on tensor values (an
     ``.item()`` in a length check) and the example holds real ones, from a run on the
     example's micro-batch itself (its buffer updates undone). Also, per stage, whether it
     holds a trained Parameter its outputs do not depend on (one it reads for its dtype or
-    shape alone), for which DDP must look each step."""
+    shape alone), for which DDP must look each step; and the layout (strides) of each
+    stage's inputs as the earlier stages make them, which torch's contiguous buffers lose."""
     saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     try:
         with torch.random.fork_rng(devices=[]):
             try:
-                specs, idle = _chain_specs(program, values, fake=True)
+                specs, idle, layouts = _chain_specs(program, values, fake=True)
             except (DataDependentOutputException, DynamicOutputShapeException) as e:
                 if any(t.is_meta for t in _tensors(values)):
                     raise ConfigError(
@@ -413,24 +416,26 @@ def _stage_metas(
                         "build the model with real weights, or make the shape not depend "
                         "on values"
                     ) from e
-                specs, idle = _chain_specs(program, values, fake=False)
+                specs, idle, layouts = _chain_specs(program, values, fake=False)
     finally:
         with torch.no_grad():
             for b, value in saved:
                 b.copy_(value)
     # Made outside the fake mode: a tensor made inside would keep the mode (and its weak
     # references to the model's tensors) alive.
-    return [(tuple(map(_meta, a)), tuple(map(_meta, b))) for a, b in specs], tuple(idle)
+    metas = [(tuple(map(_meta, a)), tuple(map(_meta, b))) for a, b in specs]
+    return metas, tuple(idle), tuple(layouts)
 
 
 def _chain_specs(
     program: StageProgram, values: tuple[Any, ...], *, fake: bool
-) -> tuple[list[tuple[list[_Spec], list[_Spec]]], list[bool]]:
+) -> tuple[list[tuple[list[_Spec], list[_Spec]]], list[bool], list[tuple[Strides, ...]]]:
     """Each stage's input and output specs, the stages run in turn on ``values`` (as fake
-    tensors with ``fake``), with gradients on so that ``requires_grad`` is known; and for
-    each stage whether it holds a trained Parameter its outputs do not depend on."""
+    tensors with ``fake``), with gradients on so that ``requires_grad`` is known; for
+    each stage whether it holds a trained Parameter its outputs do not depend on; and the
+    layouts of its tensor inputs."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    specs, idle = [], []
+    specs, idle, layouts = [], [], []
     with mode, torch.enable_grad():
         if isinstance(mode, FakeTensorMode):
             values = tree_map(
@@ -443,12 +448,13 @@ def _chain_specs(
             env.update(zip(program.outputs[j], outs))
             names_in, names_out = program.inputs[j], program.outputs[j]
             specs.append((_specs(j, names_in, ins, j > 0), _specs(j, names_out, outs, True)))
+            layouts.append(tuple(layout_of(t) for t in ins if isinstance(t, torch.Tensor)))
             used = _accumulated(_tensors(outs), _tensors(ins))
             trained = [p for p in module.parameters() if p.requires_grad]
             # the graph holds the Parameters themselves (a fake mode lets real ones in)
             idle.append(any(id(p) not in used for p in trained))
         del env, values, ins, outs
-    return specs, idle
+    return specs, idle, layouts
 
 
 def _accumulated(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> set[int]:

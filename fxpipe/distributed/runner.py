@@ -24,6 +24,7 @@ from fxpipe.distributed.split_backward import (
     weight_gradients,
     weight_side,
 )
+from fxpipe.distributed.strides import Strides, in_layout, layout_of, received, sent
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import CheckpointError, ConfigError, InputError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
@@ -66,6 +67,7 @@ class DistributedPipeline:
         input_shapes: tuple[tuple[int, ...], ...] | None = None,
         whole: frozenset[int] = frozenset(),
         idle: tuple[bool, ...] | None = None,
+        layouts: tuple[tuple[Strides, ...], ...] | None = None,
     ) -> None:
         self.plan, self.group, self.device = plan, group, device
         self.layout = layout or Layout(group)
@@ -87,6 +89,7 @@ class DistributedPipeline:
         copies = kind in SPLIT_BACKWARD
         self._statistics, self._n_microbatches = statistics, n_microbatches
         self._input_shapes = input_shapes
+        self._layouts = layouts
         slots = _parameter_slots(self.stage_modules)
         self.stages = tuple(
             self._stage(program, binder if j == 0 else None, metas[j], j, copies)
@@ -114,7 +117,8 @@ class DistributedPipeline:
             names = program.outputs[j]
             take = tuple(names.index(x.name) for x in self._leaves if isinstance(x, ValueRef))
             outputs = tuple(outputs[i] for i in take)
-        module = _StageModule(program.modules[j], binder, take, copies)
+        layouts = None if self._layouts is None else self._layouts[j]
+        module = _StageModule(program.modules[j], binder, take, copies, layouts)
         module.no_views = self.layout.sharded
         whole = [p for p in module.parameters() if id(p) in self._whole]
         stage = _Stage(
@@ -361,6 +365,7 @@ class _StageModule(nn.Module):
         binder: InputBinder | None,
         take: tuple[int, ...] | None,
         copies: bool,
+        layouts: tuple[Strides | None, ...] | None = None,
     ) -> None:
         super().__init__()
         self.stage = gm
@@ -371,6 +376,8 @@ class _StageModule(nn.Module):
         # leaves attached). They also send input gradients as autograd computes them, which
         # may be strided: make those contiguous.
         self._copies = copies
+        # The strides each input had where the earlier stage made it (see strides.py).
+        self._layouts = layouts
         # Under FSDP, outputs that are views are copied: FSDP's pre-backward hook on an
         # output would be lost to an in-place write through a view of it.
         self.no_views = False
@@ -378,17 +385,21 @@ class _StageModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._binder is not None:
             args = self._binder.bind(args, kwargs)
-        elif self._copies:
-            args = tuple(_contiguous_grad(a) if a.requires_grad else a for a in args)
+        else:  # torch's contiguous buffers, in the layouts eager made them in
+            layouts = self._layouts or (None,) * len(args)
+            args = tuple(
+                received(a, s, contiguous_grad=self._copies) for a, s in zip(args, layouts)
+            )
         out = self.stage(*args)
         # zero bubble, after the first stage: each output joined to an input (see _copy)
         anchor = _anchor_of(args) if self._copies and self._binder is None else None
         if self._take is None:
             # torch sends what it is given, and gloo and NCCL send contiguous tensors only
-            # (clone keeps a transposed output's strides); each output is copied once at most
+            # (clone keeps a transposed output's strides); each output is copied once at
+            # most, and its gradient comes back in the output's own layout (strides.py)
             if self._copies:
                 return tuple(_copy(t, anchor, "contiguous") for t in out)
-            return tuple(self._own(t).contiguous() for t in out)
+            return tuple(sent(self._own(t)) for t in out)
         picked = tuple(out[i] for i in self._take)
         if self._copies:  # a view is enough on the last stage, but not one FSDP sees
             how = "clone" if self.no_views else "view"
@@ -412,18 +423,20 @@ def _copied(t: torch.Tensor, how: str) -> torch.Tensor:
 class _Anchor(torch.autograd.Function):
     """``t`` handed out (:func:`_copied`; one subclass per way, made by :func:`_anchor`),
     joined in the autograd graph to ``anchor`` (a stage input); its gradient passes to
-    ``t`` alone. Tensor arguments only, so that its backward's results line up with its
-    node's inputs (:mod:`fxpipe.distributed.split_backward` calls it)."""
+    ``t`` alone, in ``t``'s layout when the copy was made contiguous to be sent. Tensor
+    arguments only, so that its backward's results line up with its node's inputs
+    (:mod:`fxpipe.distributed.split_backward` calls it)."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+        return (grad if ctx.strides is None else in_layout(grad, ctx.strides)), None
 
 
 def _anchor(how: str) -> type[_Anchor]:
     """The :class:`_Anchor` that hands ``t`` out as ``how`` says."""
 
     def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.strides = layout_of(t) if how == "contiguous" else None
         return _copied(t, how)
 
     return type(f"_Anchor_{how}", (_Anchor,), {"forward": staticmethod(forward)})
@@ -446,7 +459,7 @@ def _copy(t: torch.Tensor, anchor: torch.Tensor | None, how: str) -> torch.Tenso
     lost, with no error. Joined, it meets them at the join. A stage after the first with
     Parameters and no input that needs a gradient is refused by ``pipeline_schedule``."""
     if anchor is None or not t.requires_grad:
-        return _copied(t, how)
+        return sent(t, copy=True) if how == "contiguous" else _copied(t, how)
     out: torch.Tensor = _ANCHORS[how].apply(t, anchor)  # type: ignore[no-untyped-call]
     return out
 
@@ -522,23 +535,6 @@ def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         stride=spec.stride(),
         run_check=False,
     )
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose gradient is made contiguous (torch sends only contiguous tensors)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = _ContiguousGrad.apply(x)  # type: ignore[no-untyped-call]
-    return out
 
 
 class _Stage(PipelineStage):
