@@ -1416,13 +1416,21 @@ def _meta(args: argparse.Namespace) -> Row:
             **library_versions()}  # fmt: skip
 
 
-def save(path: Path, rows: list[Row], meta: Row, merge: bool) -> list[Row]:
-    """Write ``rows`` (with ``merge``: over the rows already in ``path``, by name)."""
+def save(
+    path: Path,
+    rows: list[Row],
+    meta: Row,
+    merge: bool,
+    key: Callable[[Row], Any] = lambda r: r["name"],
+) -> list[Row]:
+    """Write ``rows``, each with the label of the run that made it (with ``merge``: over the
+    rows already in ``path`` of other ``key`` s, which keep theirs; a row written before
+    rows had labels takes its file's), in the registry's order of models."""
     rows = [{"label": meta["label"], **r} for r in rows]
     if merge and path.exists():
         before = json.loads(path.read_text())
-        old = {r["name"]: {"label": before["meta"].get("label", ""), **r} for r in before["rows"]}
-        old.update({r["name"]: r for r in rows})
+        old = {key(r): {"label": before["meta"].get("label", ""), **r} for r in before["rows"]}
+        old.update({key(r): r for r in rows})
         order = list(registry())  # models no longer in the registry are dropped
         rows = sorted((r for r in old.values() if r["name"] in order),
                       key=lambda r: order.index(r["name"]))  # fmt: skip

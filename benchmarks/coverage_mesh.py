@@ -40,7 +40,6 @@ import time
 import traceback
 import zlib
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -418,18 +417,6 @@ def _meta(args: argparse.Namespace) -> Row:
     }
 
 
-def save(path: Path, rows: list[Row], meta: Row, merge: bool) -> list[Row]:
-    """Write ``rows`` (with ``merge``: over those of ``path``, by model and configuration)."""
-    key: Callable[[Row], tuple[str, str]] = lambda r: (r["name"], r["config"])  # noqa: E731
-    if merge and path.exists():
-        old = {key(r): r for r in json.loads(path.read_text())["rows"]}
-        old.update({key(r): r for r in rows})
-        rows = list(old.values())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    return rows
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated name or family patterns")
@@ -467,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
         head = f"[{i}/{len(jobs)}] {name:<30} {config.name:<22} {row['status']:<8}"
         seconds = row.get("seconds", 0.0)
         print(f"{head} {seconds:6.1f} s  {cov._first_line(row.get('reason', ''), 90)}", flush=True)
-        save(args.out, rows, meta, args.merge)
+        cov.save(args.out, rows, meta, args.merge, key=lambda r: (r["name"], r["config"]))
         if len(oracles) > 2:  # keep the last model's oracles only
             oracles.pop(next(iter(oracles)))
     print()
