@@ -17,12 +17,14 @@ replicas (DDP and FSDP average them), every parameter after the same SGD step.
 
 The loss is a fixed random projection of every floating-point leaf of the model's output,
 with each sample's weights drawn from its index in the global batch (the target), so that
-any micro-batch, on any replica, is weighed as eager weighs it.
+any micro-batch, on any replica, is weighed as eager weighs it. A model whose example
+batch has fewer rows than the configuration's micro-batches on both replicas (kept small
+for speed in ``coverage.py``) gets its batch repeated to that many rows; the row says so
+(``batch``).
 
 Each (model, configuration) is one launch of 4 ranks from a fork server, with a time limit;
 a row is equal / refused (an ``FxPipeError``, on every rank) / crashed / wrong / timeout /
-skipped (eager itself fails, or the batch does not split into the micro-batches the schedule
-needs). Rows go to ``benchmarks/results/coverage_mesh.json`` after each launch.
+skipped (eager itself fails, or the batch does not split between the replicas). Rows go to ``benchmarks/results/coverage_mesh.json`` after each launch.
 Needs transformers (in the ``test`` extra); timm and torchvision models run where those
 import (see ``coverage.py``).
 """
@@ -48,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coverage as cov  # noqa: E402  (benchmarks/coverage.py: the models and the comparisons)
@@ -105,8 +107,9 @@ def configs_for(name: str, count: int) -> list[Config]:
 # The model, its batch and the loss, made alike in every rank and in the driver
 
 
-def prepared(name: str) -> tuple[nn.Module, cov.Args, cov.Kwargs]:
-    """The model of ``name`` in float64 with no dropout, in train mode, and its global batch."""
+def prepared(name: str, m: int | None = None) -> tuple[nn.Module, cov.Args, cov.Kwargs]:
+    """The model of ``name`` in float64 with no dropout, in train mode, and its global batch
+    (with ``m``: :func:`widened` to ``m`` micro-batches per replica)."""
     spec = cov.registry()[name]
     torch.manual_seed(0)
     # the driver checks model after model: each gets its own default dtype, as a rank does
@@ -114,7 +117,28 @@ def prepared(name: str) -> tuple[nn.Module, cov.Args, cov.Kwargs]:
     model, args, kwargs = spec.build()
     model = model.double().train()
     cov.zero_dropout(model)
-    return model, cov.to_double(args), cov.to_double(kwargs)
+    args, kwargs = cov.to_double(args), cov.to_double(kwargs)
+    return (model, *widened(args, kwargs, DP * m)) if m else (model, args, kwargs)
+
+
+def widened(args: cov.Args, kwargs: cov.Kwargs, rows: int) -> tuple[cov.Args, cov.Kwargs]:
+    """The batch, when it has fewer than ``rows`` rows, repeated along dim 0 to ``rows``
+    (every tensor, as ``cov.split_rows`` splits every tensor): a model whose example batch
+    is kept small for speed still gives each replica the micro-batches a schedule needs. The
+    loss weighs each copy of a sample by its own global index, so a copy that went to
+    another position would still show."""
+    have = batch_size(args, kwargs)
+    if have >= rows:
+        return args, kwargs
+    reps = math.ceil(rows / have)
+
+    def grow(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.dim():
+            return x
+        return x.repeat(reps, *[1] * (x.dim() - 1))[:rows]
+
+    args, kwargs = tree_map(grow, (args, kwargs))
+    return args, kwargs
 
 
 def batch_size(args: cov.Args, kwargs: cov.Kwargs) -> int:
@@ -165,7 +189,7 @@ def rank_job(name: str, config: Config) -> Row:
     """Build this rank's part of the pipeline, run one step and one SGD update."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    model, args, kwargs = prepared(name)
+    model, args, kwargs = prepared(name, config.n_microbatches)
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     replica = mesh.get_local_rank("dp")
     index = torch.arange(batch_size(args, kwargs))
@@ -268,7 +292,7 @@ class Oracle:
 
 
 def oracle(name: str, m: int) -> Oracle:
-    model, args, kwargs = prepared(name)
+    model, args, kwargs = prepared(name, m)
     total = torch.zeros((), dtype=torch.float64)
     for replica in micro_batches(args, kwargs, m):
         for a, k, index in replica:
@@ -330,11 +354,12 @@ def check(name: str, config: Config, timeout: float, oracles: dict[int, Any]) ->
             "status": "skipped",
             "reason": f"build failed: {cov._first_line(repr(exc))}",
         }
-    per_replica = batch_size(args, kwargs) // DP
-    if batch_size(args, kwargs) % DP or per_replica < config.n_microbatches:
-        why = f"batch {batch_size(args, kwargs)} gives no {config.n_microbatches} micro-batches"
-        return {**row, "status": "skipped", "reason": f"{why} per replica"}
     m = config.n_microbatches
+    have = batch_size(args, kwargs)
+    if have < DP * m:  # the example batch is repeated (prepared(name, m)); said in the row
+        row["batch"] = f"{have} repeated to {DP * m}"
+    elif have % DP:
+        return {**row, "status": "skipped", "reason": f"batch {have} does not split in {DP}"}
     if m not in oracles:
         try:
             oracles[m] = oracle(name, m)
