@@ -24,7 +24,8 @@ for speed in ``coverage.py``) gets its batch repeated to that many rows; the row
 
 Each (model, configuration) is one launch of 4 ranks from a fork server, with a time limit;
 a row is equal / refused (an ``FxPipeError``, on every rank) / crashed / wrong / timeout /
-skipped (eager itself fails, or the batch does not split between the replicas). Rows go to ``benchmarks/results/coverage_mesh.json`` after each launch.
+skipped (eager itself fails, or the batch does not split between the replicas). Rows go
+to ``benchmarks/results/coverage_mesh.json`` after each launch.
 Needs transformers (in the ``test`` extra); timm and torchvision models run where those
 import (see ``coverage.py``).
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,9 @@ def test_in_layout_copies_only_when_the_strides_differ() -> None:
 @pytest.mark.parametrize("copy", [False, True])
 @pytest.mark.parametrize("make", [_odd_view, lambda: torch.randn(3, 5).t()])
 def test_sent_is_contiguous_and_its_gradient_comes_back_in_the_values_layout(
-    copy: bool, make: object
+    copy: bool, make: Callable[[], torch.Tensor]
 ) -> None:
-    value = make().requires_grad_()  # type: ignore[operator]
+    value = make().requires_grad_()
     t = value * 2  # the stage's output, with the value's strides
     seen: list[tuple[int, ...]] = []
     t.register_hook(lambda g: seen.append(tuple(g.stride())))
