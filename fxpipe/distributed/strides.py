@@ -53,17 +53,20 @@ def in_layout(t: torch.Tensor, strides: Strides) -> torch.Tensor:
     return out.copy_(t)
 
 
+def _send(ctx: Any, t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """``t`` contiguous (a copy when it is not, or with ``copy``); ``t``'s layout kept."""
+    ctx.strides = layout_of(t)
+    if copy or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.view_as(t)
+
+
 class _Sent(torch.autograd.Function):
     """``t`` contiguous (a copy when it is not); its gradient in ``t``'s layout."""
 
-    copy = False
-
-    @classmethod
-    def forward(cls, ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        ctx.strides = layout_of(t)
-        if cls.copy or not t.is_contiguous():
-            return t.clone(memory_format=torch.contiguous_format)
-        return t.view_as(t)
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return _send(ctx, t, copy=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
@@ -73,7 +76,9 @@ class _Sent(torch.autograd.Function):
 class _SentCopy(_Sent):
     """:class:`_Sent`, always a copy (zero-bubble stages detach their outputs in place)."""
 
-    copy = True
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return _send(ctx, t, copy=True)
 
 
 def sent(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
