@@ -24,7 +24,7 @@ from fxpipe.distributed.split_backward import (
     weight_gradients,
     weight_side,
 )
-from fxpipe.distributed.strides import Strides, in_layout, layout_of, received, sent
+from fxpipe.distributed.strides import Strides, give_back, hand_out, received, sent
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import CheckpointError, ConfigError, InputError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
@@ -414,14 +414,13 @@ class _StageModule(nn.Module):
 
 
 def _copied(t: torch.Tensor, how: str) -> torch.Tensor:
-    """``t`` as a stage hands it out: a contiguous copy, a copy, or a view."""
-    if how == "contiguous":
-        return t.clone(memory_format=torch.contiguous_format)
+    """``t`` as the last stage hands it out: a copy, or a view."""
     return t.clone() if how == "clone" else t.view_as(t)
 
 
 class _Anchor(torch.autograd.Function):
-    """``t`` handed out (:func:`_copied`; one subclass per way, made by :func:`_anchor`),
+    """``t`` handed out (``"contiguous"``: to be sent, by :func:`strides.hand_out`; else by
+    :func:`_copied`; one subclass per way, made by :func:`_anchor`),
     joined in the autograd graph to ``anchor`` (a stage input); its gradient passes to
     ``t`` alone, in ``t``'s layout when the copy was made contiguous to be sent. Tensor
     arguments only, so that its backward's results line up with its node's inputs
@@ -429,14 +428,15 @@ class _Anchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (grad if ctx.strides is None else in_layout(grad, ctx.strides)), None
+        return give_back(ctx, grad), None
 
 
 def _anchor(how: str) -> type[_Anchor]:
     """The :class:`_Anchor` that hands ``t`` out as ``how`` says."""
 
     def forward(ctx: Any, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        ctx.strides = layout_of(t) if how == "contiguous" else None
+        if how == "contiguous":
+            return hand_out(ctx, t, copy=True)
         return _copied(t, how)
 
     return type(f"_Anchor_{how}", (_Anchor,), {"forward": staticmethod(forward)})

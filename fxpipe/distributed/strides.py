@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Strides", "contiguous_strides", "layout_of", "in_layout", "sent", "received"]
+__all__ = [
+    "Strides",
+    "contiguous_strides",
+    "layout_of",
+    "in_layout",
+    "hand_out",
+    "give_back",
+    "sent",
+    "received",
+]
 
 Strides = tuple[int, ...]
 
@@ -53,12 +62,21 @@ def in_layout(t: torch.Tensor, strides: Strides) -> torch.Tensor:
     return out.copy_(t)
 
 
-def _send(ctx: Any, t: torch.Tensor, copy: bool) -> torch.Tensor:
-    """``t`` contiguous (a copy when it is not, or with ``copy``); ``t``'s layout kept."""
+def hand_out(ctx: Any, t: torch.Tensor, *, copy: bool) -> torch.Tensor:
+    """The forward of a Function that hands ``t`` to torch to send: ``t`` contiguous (a
+    copy when it is not, or with ``copy``), ``t``'s layout kept on ``ctx`` for
+    :func:`give_back`."""
     ctx.strides = layout_of(t)
     if copy or not t.is_contiguous():
         return t.clone(memory_format=torch.contiguous_format)
     return t.view_as(t)
+
+
+def give_back(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    """The backward's gradient in the layout :func:`hand_out` kept (as it is where it kept
+    none)."""
+    strides = getattr(ctx, "strides", None)
+    return grad if strides is None else in_layout(grad, strides)
 
 
 class _Sent(torch.autograd.Function):
@@ -66,11 +84,11 @@ class _Sent(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return _send(ctx, t, copy=False)
+        return hand_out(ctx, t, copy=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return in_layout(grad, ctx.strides)
+        return give_back(ctx, grad)
 
 
 class _SentCopy(_Sent):
@@ -78,7 +96,7 @@ class _SentCopy(_Sent):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return _send(ctx, t, copy=True)
+        return hand_out(ctx, t, copy=True)
 
 
 def sent(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
