@@ -14,6 +14,9 @@ sample). Side by side in one run, ``--rounds`` times in turn:
 - GPipe and 1F1B: ``fxpipe.distributed.pipeline_schedule`` in 2 processes (gloo on
   loopback), one torch thread each, 2 stages, 16 micro-batches of 4 samples, the same
   global batch, loss (sum-reduced, ``scale_grads=False``) and optimizer: the 2 x 1 layout;
+- interleaved and loopedbfs: interleaved 1F1B and the looped breadth-first schedule on the
+  same 2 processes, each holding 2 of 4 stages (0 and 2, 1 and 3): the fill of a stage's
+  share of a micro-batch, half of 1F1B's, for a boundary more to cross each way;
 - zbv: the zero-bubble V schedule (``ZBVZeroBubble``) on the same 2 processes, each holding
   2 of 4 stages (0 and 3, 1 and 2), backward split into its input and weight parts, which
   fill the bubble the other two schedules leave at each end of a step;
@@ -25,15 +28,17 @@ sample). Side by side in one run, ``--rounds`` times in turn:
   whole model on half the batch at the same time, with no communication at all (DDP
   without its all-reduce). Two busy processes share the machine's caches and memory
   bandwidth, so each runs slower than one alone;
-- work and zbv-work: the bound for the pipelines, measured: 2 processes that each run
-  their pipeline rank's own work at the same time, with nothing sent and nothing waited
-  for (each stage of the rank, built by ``pipeline_schedule`` as for GPipe and 1F1B, or
-  for ZBV, runs forward and backward on every micro-batch, on the inputs its first
-  micro-batch had in a real step; zbv-work splits the backward as ZBV does). A pipeline
-  rank does that work and more (it sends, receives and waits), so a schedule's speed-up is
-  at most its work row's; GPipe and 1F1B on 2 stages also wait one micro-batch's forward and
-  backward (the second rank for the first forward, the first rank for the last
-  backward), so they reach at most work x m / (m + 1).
+- work, looped-work and zbv-work: the bound for the pipelines, measured: 2 processes that
+  each run their pipeline rank's own work at the same time, with nothing sent and nothing
+  waited for (each stage of the rank, built by ``pipeline_schedule`` as for GPipe and 1F1B,
+  for interleaved 1F1B and looped BFS, or for ZBV, runs forward and backward on every
+  micro-batch, on the inputs its first micro-batch had in a real step; zbv-work splits the
+  backward as ZBV does). A pipeline rank does that work and more (it sends, receives and
+  waits), so a schedule's speed-up is at most its work row's; GPipe and 1F1B on 2 stages
+  also wait one micro-batch's forward and backward (the second rank for the first
+  forward, the first rank for the last backward), so they reach at most
+  work x m / (m + 1); interleaved 1F1B and looped BFS wait one stage's share of that, half
+  a rank's, so at most looped-work x 2m / (2m + 1).
 
 Why 16 micro-batches of 512 rows: with ``m`` micro-batches two stages are busy together for
 all but one micro-batch's time, so the pipeline's speed-up is at most ``2 m / (m + 1)``:
@@ -55,7 +60,7 @@ target: the best pipeline >= 1.8x on a 2-core machine. Printed beside it, from t
 run: the bounds the work rows set, what each schedule reaches of its bound, and the
 schedule's own bound ``2 m / (m + 1)``; the verdict says when no schedule's bound reaches
 the target. Beside the measurements,
-``fd.suggest_layout``'s predictions for the 2 x 1 and 1 x 2 layouts (node costs profiled
+``fd.suggest_layout``'s predictions for the pipelined and 1 x 2 layouts (node costs profiled
 here on one thread, sends over an assumed 2 GB/s) and the ranking each gives. ``cpu ms``
 is the CPU time per step of the busiest process: on a machine shared with other work the
 wall-clock ratios shrink, while the CPU times show the work each process does. The rows
@@ -188,8 +193,10 @@ def _rank(
             data_parallel=schedule,
         )  # fmt: skip
     else:
-        two = schedule.startswith("zbv")  # two stages per rank in a V: 0 and 3, 1 and 2
-        kind = {"work": "gpipe", "zbv-work": "zbvzerobubble", "zbv": "zbvzerobubble"}
+        # two stages per rank: in a V for ZBV (0 and 3, 1 and 2), looped for the others
+        two = schedule.split("-")[0] in LOOPED
+        kind = {"work": "gpipe", "zbv-work": "zbvzerobubble", "zbv": "zbvzerobubble",
+                "interleaved": "interleaved1f1b", "looped-work": "interleaved1f1b"}  # fmt: skip
         pipe = fd.pipeline_schedule(
             _model(), x, schedule=kind.get(schedule, schedule), n_microbatches=CHUNKS,
             loss_fn=_loss, stages_per_rank=2 if two else 1,
@@ -205,7 +212,7 @@ def _rank(
             pipe.schedule.step(target=y)
 
     if schedule.endswith("work"):
-        work = _own_work(pipe, step, split=two)
+        work = _own_work(pipe, step, split=schedule == "zbv-work")
         _timed(rank, warmup, steps, out, work, opt)
         dist.destroy_process_group()
         return
@@ -219,13 +226,19 @@ def _own_work(
     """A step of this rank's own work in the pipeline with nothing sent and nothing waited
     for: each of its stages runs forward and backward on every micro-batch, one after the
     other, as the torch stage runs them (its backward in input and weight parts where
-    ``split``, as ZBV does, but on stage 0). Each stage takes the inputs its first
-    micro-batch had in one real ``step``, and one that does not end in the loss takes its
-    outputs' own values as their gradients."""
+    ``split``, as ZBV does, but on stage 0: torch's input part, fxpipe's weight part). Each
+    stage takes the inputs its first micro-batch had in one real ``step``, and one that does
+    not end in the loss takes its outputs' own values as their gradients."""
     from torch.distributed.pipelining._backward import (  # what torch's stages call
         stage_backward,
         stage_backward_input,
-        stage_backward_weight,
+    )
+
+    from fxpipe.distributed.split_backward import (  # what fxpipe's stages call instead
+        disjoint_param_groups,
+        stage_graph,
+        weight_gradients,
+        weight_side,
     )
 
     seen: dict[int, tuple[Any, ...]] = {}
@@ -255,8 +268,11 @@ def _own_work(
                 outs = [_loss(out, ys)] if index == last else list(out)
                 grads = None if index == last else [o.detach() for o in outs]
                 if split and index != 0:  # torch's stage 0 runs its backward whole
+                    # the input part as torch runs it, the weight part as fxpipe's stages do
+                    graph = stage_graph(outs, inputs)
                     _, groups = stage_backward_input(outs, grads, inputs, s.submod.parameters())
-                    stage_backward_weight(s.submod.parameters(), groups)
+                    groups = weight_side(disjoint_param_groups(groups or []), graph)
+                    weight_gradients(s.submod.parameters(), groups)
                 else:  # torch hands the loss over bare, the outputs with their gradients
                     stage_backward(outs[0] if index == last else outs, grads, inputs)
 
@@ -310,16 +326,24 @@ MODES = (
     ("eager-mb", 1),
     ("gpipe", 2),
     ("1f1b", 2),
+    ("interleaved", 2),
+    ("loopedbfs", 2),
     ("zbv", 2),
     ("ddp", 2),
     ("fsdp", 2),
     ("halves", 2),
     ("work", 2),
+    ("looped-work", 2),
     ("zbv-work", 2),
 )
-PIPELINES = ("gpipe", "1f1b", "zbv")
+PIPELINES = ("gpipe", "1f1b", "interleaved", "loopedbfs", "zbv")
+#: The schedules whose ranks hold 2 stages each (the work rows' names start with theirs).
+LOOPED = ("zbv", "interleaved", "loopedbfs", "looped")
 #: The layouts fd.suggest_layout predicts (all but the halves, which is no layout).
-LAYOUTS = ("gpipe", "1f1b", "zbv", "ddp", "fsdp")
+LAYOUTS = ("gpipe", "1f1b", "interleaved", "loopedbfs", "zbv", "ddp", "fsdp")
+#: Stages of each mode's pipeline (the others: 1).
+STAGES = {"gpipe": 2, "1f1b": 2, "work": 2, "interleaved": 4, "loopedbfs": 4, "zbv": 4,
+          "looped-work": 4, "zbv-work": 4}  # fmt: skip
 
 
 def measure(
@@ -333,7 +357,7 @@ def measure(
     for r in range(rounds):
         runs["eager"].append(eager(warmup, steps))
         runs["eager-mb"].append(eager(warmup, steps, CHUNKS))
-        for schedule in ("gpipe", "1f1b", "zbv", "ddp", "fsdp", "halves", "work", "zbv-work"):
+        for schedule, _ in MODES[2:]:
             try:
                 result = pipelined(schedule, warmup, steps)
             except mp.ProcessExitedException as e:  # said, and counted in the JSON
@@ -365,7 +389,7 @@ def table(runs: dict[str, list[Any]]) -> list[dict[str, Any]]:
                 "mode": name,
                 "processes": procs,
                 "threads_per_process": 1,
-                "stages": {"gpipe": 2, "1f1b": 2, "zbv": 4, "work": 2, "zbv-work": 4}.get(name, 1),
+                "stages": STAGES.get(name, 1),
                 "replicas": 2 if name in ("ddp", "fsdp", "halves") else 1,
                 "micro_batches": 1 if name in ("eager", "ddp", "fsdp", "halves") else CHUNKS,
                 "step_ms": step * 1e3,
@@ -392,20 +416,24 @@ def predict(rows: list[dict[str, Any]]) -> dict[str, float]:
     torch.set_num_threads(1)
     x, _ = _batch()
     layouts = fd.suggest_layout(
-        _model(), x, 2, cost="time", device="cpu", schedules=("gpipe", "1f1b", "zbvzerobubble"),
-        chunks=(1, CHUNKS), link_bandwidth=LOOPBACK, dp_bandwidth=LOOPBACK,
+        _model(), x, 2, cost="time", device="cpu",
+        schedules=("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbvzerobubble"),
+        virtual=(2,), chunks=(1, CHUNKS), link_bandwidth=LOOPBACK, dp_bandwidth=LOOPBACK,
         data_parallel=("ddp", "fsdp"),
     )  # fmt: skip
-    wanted = {"gpipe": (2, 1, CHUNKS), "1f1b": (2, 1, CHUNKS), "zbv": (2, 1, CHUNKS),
-              "ddp": (1, 2, 1), "fsdp": (1, 2, 1)}  # fmt: skip
+    # mode -> (pp, dp, stages per rank, micro-batches, schedule; None for data parallel)
+    wanted = {"gpipe": (2, 1, 1, CHUNKS, "gpipe"), "1f1b": (2, 1, 1, CHUNKS, "1f1b"),
+              "interleaved": (2, 1, 2, CHUNKS, "interleaved1f1b"),
+              "loopedbfs": (2, 1, 2, CHUNKS, "loopedbfs"),
+              "zbv": (2, 1, 2, CHUNKS, "zbvzerobubble"),
+              "ddp": (1, 2, 1, 1, None), "fsdp": (1, 2, 1, 1, None)}  # fmt: skip
     out = {}
-    for mode, (pp, dp, m) in wanted.items():
-        schedule = {"zbv": "zbvzerobubble"}.get(mode, mode) if pp > 1 else None
+    for mode, (pp, dp, v, m, schedule) in wanted.items():
         kind = mode if dp > 1 else "ddp"
         (layout,) = [
             e
             for e in layouts
-            if (e.pp, e.dp, e.chunks) == (pp, dp, m)
+            if (e.pp, e.dp, e.virtual, e.chunks) == (pp, dp, v, m)
             and schedule in (None, e.schedule)
             and e.data_parallel == kind
         ][:1]
@@ -431,12 +459,12 @@ def main() -> None:
         f"{TOKENS} tokens; plan stage costs {[f'{c:.3g}' for c in costs]}"
     )
     print(
-        f"{'mode':<8} {'procs':>5} {'threads':>7} {'mb':>3} {'step ms':>9} {'cpu ms':>8} "
+        f"{'mode':<11} {'procs':>5} {'threads':>7} {'mb':>3} {'step ms':>9} {'cpu ms':>8} "
         f"{'samples/s':>10} {'speed-up':>9} {'vs eager':>9} {'vs eager-mb':>12}"
     )
     for row in rows:
         print(
-            f"{row['mode']:<8} {row['processes']:>5} {row['threads_per_process']:>7} "
+            f"{row['mode']:<11} {row['processes']:>5} {row['threads_per_process']:>7} "
             f"{row['micro_batches']:>3} {row['step_ms']:>9.1f} "
             f"{row['cpu_ms_busiest_process']:>8.1f} {row['samples_per_s']:>10.1f} "
             f"{row['speedup']:>8.2f}x {row['speedup_over_eager']:>8.2f}x "
@@ -451,10 +479,18 @@ def main() -> None:
     # GPipe and 1F1B on 2 stages: the second rank waits for the first micro-batch's forward,
     # the first for the last micro-batch's backward: one micro-batch's work more than a rank's
     bubbled_bound = speedup["work"] * CHUNKS / (CHUNKS + 1)
+    # interleaved 1F1B and looped BFS, 2 stages per rank: the same wait, for one stage's share
+    # of a micro-batch (half a rank's): 2m / (2m + 1), Megatron-LM's (p - 1) / (v m) at p = 2
+    looped_bound = speedup["looped-work"] * 2 * CHUNKS / (2 * CHUNKS + 1)
     zbv_bound = speedup["zbv-work"]
     bubbled = max(speedup["gpipe"], speedup["1f1b"])
+    looped = max(speedup["interleaved"], speedup["loopedbfs"])
     verdict = "PASS" if best >= TARGET else "MISS"
-    bounds = {"GPipe and 1F1B": bubbled_bound, "ZBV": zbv_bound}
+    bounds = {
+        "GPipe and 1F1B": bubbled_bound,
+        "interleaved 1F1B and looped BFS": looped_bound,
+        "ZBV": zbv_bound,
+    }
     under = [f"{name} at most {b:.3f}x" for name, b in bounds.items() if b < TARGET]
     if best < TARGET and under:
         everything = "no schedule here can reach it" if len(under) == len(bounds) else "under it"
@@ -462,13 +498,16 @@ def main() -> None:
     print(
         f"best pipelined speed-up {best:.2f}x, {best_mode} (target >= {TARGET}x): {verdict}\n"
         f"same run: the ranks' own work with nothing sent and nothing waited for, "
-        f"{speedup['work']:.3f}x on 2 stages (work) and {zbv_bound:.3f}x on ZBV's 4 with the "
-        f"backward split (zbv-work); GPipe and 1F1B add one micro-batch's work to it, so "
-        f"reach at most work x m / (m + 1) = {bubbled_bound:.3f}x (their schedule alone: "
-        f"2m / (m + 1) = {bound:.2f}x) and the better reaches {bubbled / bubbled_bound:.0%} "
-        f"of that; ZBV reaches {speedup['zbv'] / zbv_bound:.0%} of its work's; 2 busy "
-        f"processes each training the whole model on half the batch (halves) {ceiling:.2f}x, "
-        f"DDP {speedup['ddp'] / ceiling:.0%} of that"
+        f"{speedup['work']:.3f}x on 2 stages (work), {speedup['looped-work']:.3f}x on 4 "
+        f"looped (looped-work) and {zbv_bound:.3f}x on ZBV's 4 with the backward split "
+        f"(zbv-work); GPipe and 1F1B add one micro-batch's work to theirs, so reach at most "
+        f"work x m / (m + 1) = {bubbled_bound:.3f}x (their schedule alone: 2m / (m + 1) = "
+        f"{bound:.2f}x) and the better reaches {bubbled / bubbled_bound:.0%} of that; "
+        f"interleaved 1F1B and looped BFS add half of one, at most looped-work x 2m / (2m + 1) "
+        f"= {looped_bound:.3f}x, and the better reaches {looped / looped_bound:.0%}; ZBV "
+        f"reaches {speedup['zbv'] / zbv_bound:.0%} of its work's; 2 busy processes each "
+        f"training the whole model on half the batch (halves) {ceiling:.2f}x, DDP "
+        f"{speedup['ddp'] / ceiling:.0%} of that"
     )
     ddp = next(row for row in rows if row["mode"] == "ddp")
     measured = [row for row in rows if row["mode"] in LAYOUTS]
@@ -478,7 +517,7 @@ def main() -> None:
     print("predicted (fd.suggest_layout, cost='time' on this CPU) against measured step:")
     for row in measured:
         print(
-            f"  {row['mode']:<5} predicted {row['predicted_step_ms']:8.1f} ms, measured "
+            f"  {row['mode']:<11} predicted {row['predicted_step_ms']:8.1f} ms, measured "
             f"{row['step_ms']:8.1f} ms ({row['step_ms'] / row['predicted_step_ms']:.2f}x)"
         )
     by_prediction = sorted(measured, key=lambda r: r["predicted_step_ms"])
@@ -517,6 +556,7 @@ def main() -> None:
         "bound_speedup": bound,
         "halves_speedup": ceiling,
         "gpipe_1f1b_work_bound_speedup": bubbled_bound,
+        "looped_work_bound_speedup": looped_bound,
         "zbv_work_bound_speedup": zbv_bound,
         "runs_again_after_a_process_died": failures,
         "settings": settings,
