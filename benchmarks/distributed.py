@@ -193,13 +193,10 @@ def _rank(
             data_parallel=schedule,
         )  # fmt: skip
     else:
-        # two stages per rank: in a V for ZBV (0 and 3, 1 and 2), looped for the others
-        two = schedule.split("-")[0] in LOOPED
-        kind = {"work": "gpipe", "zbv-work": "zbvzerobubble", "zbv": "zbvzerobubble",
-                "interleaved": "interleaved1f1b", "looped-work": "interleaved1f1b"}  # fmt: skip
+        kind, per_rank = PIPELINED[schedule]
         pipe = fd.pipeline_schedule(
-            _model(), x, schedule=kind.get(schedule, schedule), n_microbatches=CHUNKS,
-            loss_fn=_loss, stages_per_rank=2 if two else 1,
+            _model(), x, schedule=kind, n_microbatches=CHUNKS, loss_fn=_loss,
+            stages_per_rank=per_rank,
         )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
@@ -226,21 +223,9 @@ def _own_work(
     """A step of this rank's own work in the pipeline with nothing sent and nothing waited
     for: each of its stages runs forward and backward on every micro-batch, one after the
     other, as the torch stage runs them (its backward in input and weight parts where
-    ``split``, as ZBV does, but on stage 0: torch's input part, fxpipe's weight part). Each
-    stage takes the inputs its first micro-batch had in one real ``step``, and one that does
-    not end in the loss takes its outputs' own values as their gradients."""
-    from torch.distributed.pipelining._backward import (  # what torch's stages call
-        stage_backward,
-        stage_backward_input,
-    )
-
-    from fxpipe.distributed.split_backward import (  # what fxpipe's stages call instead
-        disjoint_param_groups,
-        stage_graph,
-        weight_gradients,
-        weight_side,
-    )
-
+    ``split``, as ZBV does, but on stage 0), by the stage's own backward method. Each stage
+    takes the inputs its first micro-batch had in one real ``step``, and one that does not
+    end in the loss takes its outputs' own values as their gradients."""
     seen: dict[int, tuple[Any, ...]] = {}
 
     def keep(index: int) -> Callable[..., None]:
@@ -267,14 +252,15 @@ def _own_work(
                 out = s.submod(*inputs)
                 outs = [_loss(out, ys)] if index == last else list(out)
                 grads = None if index == last else [o.detach() for o in outs]
+                parts = {"output_grads": grads, "input_values": inputs}
                 if split and index != 0:  # torch's stage 0 runs its backward whole
-                    # the input part as torch runs it, the weight part as fxpipe's stages do
-                    graph = stage_graph(outs, inputs)
-                    _, groups = stage_backward_input(outs, grads, inputs, s.submod.parameters())
-                    groups = weight_side(disjoint_param_groups(groups or []), graph)
-                    weight_gradients(s.submod.parameters(), groups)
+                    _, groups = s.backward_maybe_with_nosync(
+                        "input", {"stage_output": outs, **parts}
+                    )
+                    s.backward_maybe_with_nosync("weight", {"param_groups": groups})
                 else:  # torch hands the loss over bare, the outputs with their gradients
-                    stage_backward(outs[0] if index == last else outs, grads, inputs)
+                    bare = outs[0] if index == last else outs
+                    s.backward_maybe_with_nosync("full", {"stage_output": bare, **parts})
 
     return work
 
@@ -337,13 +323,14 @@ MODES = (
     ("zbv-work", 2),
 )
 PIPELINES = ("gpipe", "1f1b", "interleaved", "loopedbfs", "zbv")
-#: The schedules whose ranks hold 2 stages each (the work rows' names start with theirs).
-LOOPED = ("zbv", "interleaved", "loopedbfs", "looped")
+#: The pipelines and work rows: torch schedule and stages per rank (two: in a V for ZBV, 0 and
+#: 3, 1 and 2; looped for the others, 0 and 2, 1 and 3). A work row builds its schedule's.
+PIPELINED = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "work": ("gpipe", 1),
+             "interleaved": ("interleaved1f1b", 2), "loopedbfs": ("loopedbfs", 2),
+             "looped-work": ("interleaved1f1b", 2), "zbv": ("zbvzerobubble", 2),
+             "zbv-work": ("zbvzerobubble", 2)}  # fmt: skip
 #: The layouts fd.suggest_layout predicts (all but the halves, which is no layout).
 LAYOUTS = ("gpipe", "1f1b", "interleaved", "loopedbfs", "zbv", "ddp", "fsdp")
-#: Stages of each mode's pipeline (the others: 1).
-STAGES = {"gpipe": 2, "1f1b": 2, "work": 2, "interleaved": 4, "loopedbfs": 4, "zbv": 4,
-          "looped-work": 4, "zbv-work": 4}  # fmt: skip
 
 
 def measure(
@@ -389,7 +376,7 @@ def table(runs: dict[str, list[Any]]) -> list[dict[str, Any]]:
                 "mode": name,
                 "processes": procs,
                 "threads_per_process": 1,
-                "stages": STAGES.get(name, 1),
+                "stages": 2 * PIPELINED[name][1] if name in PIPELINED else 1,
                 "replicas": 2 if name in ("ddp", "fsdp", "halves") else 1,
                 "micro_batches": 1 if name in ("eager", "ddp", "fsdp", "halves") else CHUNKS,
                 "step_ms": step * 1e3,
@@ -422,11 +409,8 @@ def predict(rows: list[dict[str, Any]]) -> dict[str, float]:
         data_parallel=("ddp", "fsdp"),
     )  # fmt: skip
     # mode -> (pp, dp, stages per rank, micro-batches, schedule; None for data parallel)
-    wanted = {"gpipe": (2, 1, 1, CHUNKS, "gpipe"), "1f1b": (2, 1, 1, CHUNKS, "1f1b"),
-              "interleaved": (2, 1, 2, CHUNKS, "interleaved1f1b"),
-              "loopedbfs": (2, 1, 2, CHUNKS, "loopedbfs"),
-              "zbv": (2, 1, 2, CHUNKS, "zbvzerobubble"),
-              "ddp": (1, 2, 1, 1, None), "fsdp": (1, 2, 1, 1, None)}  # fmt: skip
+    wanted = {mode: (2, 1, PIPELINED[mode][1], CHUNKS, PIPELINED[mode][0]) for mode in PIPELINES}
+    wanted |= {"ddp": (1, 2, 1, 1, None), "fsdp": (1, 2, 1, 1, None)}
     out = {}
     for mode, (pp, dp, v, m, schedule) in wanted.items():
         kind = mode if dp > 1 else "ddp"
