@@ -2,17 +2,18 @@
 
 Run from the repository root::
 
-    python benchmarks/distributed.py [--out PATH] [--steps N] [--rounds R]
+    python benchmarks/distributed.py [--out PATH] [--steps N] [--rounds R] [--chunks M]
 
 A balanced deep model (8 pre-LayerNorm residual MLP blocks, width 512, hidden 1024) trains
-with SGD on a batch of 64 samples of 128 tokens each (every matrix product has 128 rows per
-sample). Side by side in one run, ``--rounds`` times in turn:
+with SGD on a batch of ``M`` micro-batches (``--chunks``, 32 by default) of 4 samples of 128
+tokens each (every matrix product has 128 rows per sample): 128 samples by default. Side by
+side in one run, ``--rounds`` times in turn:
 
 - eager: the whole model in this process, one torch thread, the whole batch at once;
-- eager-mb: the same, in the pipelines' 16 micro-batches one after the other (gradient
+- eager-mb: the same, in the pipelines' micro-batches one after the other (gradient
   accumulation): the work of the pipelines without the pipeline, to read the speed-ups by;
 - GPipe and 1F1B: ``fxpipe.distributed.pipeline_schedule`` in 2 processes (gloo on
-  loopback), one torch thread each, 2 stages, 16 micro-batches of 4 samples, the same
+  loopback), one torch thread each, 2 stages, the same micro-batches of 4 samples, the same
   global batch, loss (sum-reduced, ``scale_grads=False``) and optimizer: the 2 x 1 layout;
 - interleaved and loopedbfs: interleaved 1F1B and the looped breadth-first schedule on the
   same 2 processes, each holding 2 of 4 stages (0 and 2, 1 and 3): the fill of a stage's
@@ -40,14 +41,18 @@ sample). Side by side in one run, ``--rounds`` times in turn:
   work x m / (m + 1); interleaved 1F1B and looped BFS wait one stage's share of that, half
   a rank's, so at most looped-work x 2m / (2m + 1).
 
-Why 16 micro-batches of 512 rows: with ``m`` micro-batches two stages are busy together for
+Why 32 micro-batches of 512 rows: with ``m`` micro-batches two stages are busy together for
 all but one micro-batch's time, so the pipeline's speed-up is at most ``2 m / (m + 1)``:
-1.78x at 8, 1.88x at 16. And a pipeline computes every weight gradient once per micro-batch
-and adds it to the last, which moves the whole weight matrix each time: at 8 rows per
-micro-batch that memory traffic, and BLAS's poor speed on products with an inner size of 8,
-cost more on one CPU core than the arithmetic (16 micro-batches take 2-3 times as long as
-the whole batch in one go); at 512 rows they take about as long (the eager-mb row), as on
-an accelerator, and what is left is the schedule's bound.
+1.78x at 8, 1.88x at 16, 1.94x at 32. At 16 that leaves the 1.8x target 4% for everything
+else (the two processes slowing each other, the sends, a shared host's noise), and runs at
+16 met it in one of three (``benchmarks/README.md``); 32 is what GPipe's and torchgpipe's
+throughput benchmarks use (AmoebaNet-D, m = 32). More micro-batches of the same size make
+a larger batch, not smaller pieces of work: a pipeline computes every weight gradient once
+per micro-batch and adds it to the last, which moves the whole weight matrix each time; at
+8 rows per micro-batch that memory traffic, and BLAS's poor speed on products with an inner
+size of 8, cost more on one CPU core than the arithmetic (16 such micro-batches took 2-3
+times as long as their batch in one go); at 512 rows they take about as long (the eager-mb
+row), as on an accelerator, and what is left is the schedule's bound.
 
 Each measurement runs ``--warmup`` steps first (not timed; start-up and planning are not
 timed either), then ``--steps`` timed steps; a pipelined step is timed between barriers on
@@ -71,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -91,8 +97,9 @@ from torch import nn
 
 import fxpipe.distributed as fd
 
-WIDTH, HIDDEN, DEPTH, BATCH, TOKENS, MICRO = 512, 1024, 8, 64, 128, 4
-CHUNKS = BATCH // MICRO
+WIDTH, HIDDEN, DEPTH, TOKENS, MICRO = 512, 1024, 8, 128, 4
+#: Micro-batches per step by default (``--chunks``); the batch is ``chunks * MICRO`` samples.
+CHUNKS = 32
 TARGET = 1.8
 
 
@@ -131,41 +138,53 @@ def _model() -> nn.Module:
     return DeepResMLP()
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of one step: ``chunks`` micro-batches of ``MICRO`` samples."""
     g = torch.Generator().manual_seed(1)
-    shape = (BATCH, TOKENS, WIDTH)
+    shape = (chunks * MICRO, TOKENS, WIDTH)
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).sum() / BATCH
+def _loss(out: torch.Tensor, target: torch.Tensor, *, batch: int) -> torch.Tensor:
+    """Squared error summed, over the ``batch`` samples of the whole step."""
+    return ((out - target) ** 2).sum() / batch
 
 
-def eager(warmup: int, steps: int, chunks: int = 1) -> dict[str, float]:
-    """Wall and CPU seconds per training step of the whole model here, on one thread; the
-    batch in ``chunks`` micro-batches whose gradients add up."""
+def eager(warmup: int, steps: int, chunks: int, split: bool) -> dict[str, float]:
+    """Wall and CPU seconds per training step of the whole model here, on one thread, on
+    the batch of ``chunks`` micro-batches: at once, or (``split``) one micro-batch after the
+    other, their gradients adding up."""
     torch.set_num_threads(1)
-    model, (x, y) = _model(), _batch()
+    model, (x, y) = _model(), _batch(chunks)
+    loss = functools.partial(_loss, batch=len(x))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for i in range(warmup + steps):
         if i == warmup:
             start, cpu = time.perf_counter(), time.process_time()
-        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
-            _loss(model(xs), ys).backward()
+        parts = chunks if split else 1
+        for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+            loss(model(xs), ys).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {"step_s": wall / steps, "cpu_s": cpu / steps}
 
 
-def _replica_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _replica_loss(out: torch.Tensor, target: torch.Tensor, *, batch: int) -> torch.Tensor:
     """``_loss`` for one of 2 data-parallel replicas: DDP averages the replicas' gradients,
     so each counts its half of the batch twice to give the gradients of ``_loss``."""
-    return 2 * _loss(out, target)
+    return 2 * _loss(out, target, batch=batch)
 
 
 def _rank(
-    rank: int, world: int, port: int, schedule: str, warmup: int, steps: int, out: str
+    rank: int,
+    world: int,
+    port: int,
+    schedule: str,
+    warmup: int,
+    steps: int,
+    out: str,
+    chunks: int,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -175,12 +194,13 @@ def _rank(
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
-    x, y = _batch()
+    x, y = _batch(chunks)
+    loss, replica_loss = (functools.partial(f, batch=len(x)) for f in (_loss, _replica_loss))
     if schedule == "halves":  # the whole model on this rank's half; nothing sent in a step
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        _timed(rank, warmup, steps, out, lambda: _replica_loss(model(x), y).backward(), opt)
+        _timed(rank, warmup, steps, out, lambda: replica_loss(model(x), y).backward(), opt)
         dist.destroy_process_group()
         return
     if schedule in ("ddp", "fsdp"):  # 1 stage x 2 replicas: half the batch each, whole
@@ -189,13 +209,13 @@ def _rank(
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         pipe = fd.pipeline_schedule(
-            _model(), x, schedule="gpipe", n_microbatches=1, loss_fn=_replica_loss, mesh=mesh,
+            _model(), x, schedule="gpipe", n_microbatches=1, loss_fn=replica_loss, mesh=mesh,
             data_parallel=schedule,
         )  # fmt: skip
     else:
         kind, per_rank = PIPELINED[schedule]
         pipe = fd.pipeline_schedule(
-            _model(), x, schedule=kind, n_microbatches=CHUNKS, loss_fn=_loss,
+            _model(), x, schedule=kind, n_microbatches=chunks, loss_fn=loss,
             stages_per_rank=per_rank,
         )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
@@ -209,7 +229,7 @@ def _rank(
             pipe.schedule.step(target=y)
 
     if schedule.endswith("work"):
-        work = _own_work(pipe, step, split=schedule == "zbv-work")
+        work = _own_work(pipe, step, y.chunk(chunks), loss, split=schedule == "zbv-work")
         _timed(rank, warmup, steps, out, work, opt)
         dist.destroy_process_group()
         return
@@ -218,7 +238,11 @@ def _rank(
 
 
 def _own_work(
-    pipe: fd.DistributedPipeline, step: Callable[[], None], split: bool
+    pipe: fd.DistributedPipeline,
+    step: Callable[[], None],
+    targets: tuple[torch.Tensor, ...],
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    split: bool,
 ) -> Callable[[], None]:
     """A step of this rank's own work in the pipeline with nothing sent and nothing waited
     for: each of its stages runs forward and backward on every micro-batch, one after the
@@ -241,16 +265,15 @@ def _own_work(
     step()
     for handle in handles:
         handle.remove()
-    _, y = _batch()
     last = pipe.num_stages - 1
 
     def work() -> None:
-        for ys in y.chunk(CHUNKS):
+        for ys in targets:
             for s in pipe.stages:
                 index = s.stage_index
                 inputs = [a.clone().requires_grad_(index != 0) for a in seen[index]]
                 out = s.submod(*inputs)
-                outs = [_loss(out, ys)] if index == last else list(out)
+                outs = [loss(out, ys)] if index == last else list(out)
                 grads = None if index == last else [o.detach() for o in outs]
                 parts = {"output_grads": grads, "input_values": inputs}
                 if split and index != 0:  # torch's stage 0 runs its backward whole
@@ -292,14 +315,16 @@ def _timed(
         Path(out).write_text(json.dumps({**result, "costs": costs or []}))
 
 
-def pipelined(schedule: str, warmup: int, steps: int, world: int = 2) -> dict[str, Any]:
+def pipelined(
+    schedule: str, warmup: int, steps: int, chunks: int, world: int = 2
+) -> dict[str, Any]:
     """Wall seconds per step and CPU seconds per step of the busiest rank, pipelined."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.start_processes(
             _rank,
-            args=(world, port, schedule, warmup, steps, out),
+            args=(world, port, schedule, warmup, steps, out, chunks),
             nprocs=world,
             start_method="spawn",
         )
@@ -334,7 +359,7 @@ LAYOUTS = ("gpipe", "1f1b", "interleaved", "loopedbfs", "zbv", "ddp", "fsdp")
 
 
 def measure(
-    rounds: int, warmup: int, steps: int, failures: list[str]
+    rounds: int, warmup: int, steps: int, chunks: int, failures: list[str]
 ) -> tuple[dict[str, list[Any]], list[float]]:
     """Every mode once per round, in turn; per mode the list of its rounds' results. A run
     whose process dies (one aborted here once, from the C++ side of gloo or torch, in many
@@ -342,15 +367,15 @@ def measure(
     runs: dict[str, list[Any]] = {name: [] for name, _ in MODES}
     costs: list[float] = []
     for r in range(rounds):
-        runs["eager"].append(eager(warmup, steps))
-        runs["eager-mb"].append(eager(warmup, steps, CHUNKS))
+        runs["eager"].append(eager(warmup, steps, chunks, split=False))
+        runs["eager-mb"].append(eager(warmup, steps, chunks, split=True))
         for schedule, _ in MODES[2:]:
             try:
-                result = pipelined(schedule, warmup, steps)
+                result = pipelined(schedule, warmup, steps, chunks)
             except mp.ProcessExitedException as e:  # said, and counted in the JSON
                 print(f"round {r + 1}: {schedule}: a process died ({e}); running it again")
                 failures.append(f"round {r + 1}, {schedule}: {e}")
-                result = pipelined(schedule, warmup, steps)
+                result = pipelined(schedule, warmup, steps, chunks)
             if schedule in ("gpipe", "1f1b"):
                 costs = result["costs"]
             result.pop("costs")
@@ -360,7 +385,7 @@ def measure(
     return runs, costs
 
 
-def table(runs: dict[str, list[Any]]) -> list[dict[str, Any]]:
+def table(runs: dict[str, list[Any]], chunks: int) -> list[dict[str, Any]]:
     """One row per mode: medians over rounds; speed-up = median of per-round ratios."""
     rows: list[dict[str, Any]] = []
     for name, procs in MODES:
@@ -378,10 +403,10 @@ def table(runs: dict[str, list[Any]]) -> list[dict[str, Any]]:
                 "threads_per_process": 1,
                 "stages": 2 * PIPELINED[name][1] if name in PIPELINED else 1,
                 "replicas": 2 if name in ("ddp", "fsdp", "halves") else 1,
-                "micro_batches": 1 if name in ("eager", "ddp", "fsdp", "halves") else CHUNKS,
+                "micro_batches": 1 if name in ("eager", "ddp", "fsdp", "halves") else chunks,
                 "step_ms": step * 1e3,
                 "cpu_ms_busiest_process": statistics.median(r["cpu_s"] for r in runs[name]) * 1e3,
-                "samples_per_s": BATCH / step,
+                "samples_per_s": chunks * MICRO / step,
                 "speedup": statistics.median(ratios),
                 "speedup_over_eager": statistics.median(per_eager),
                 "speedup_over_eager_mb": statistics.median(per_mb),
@@ -396,20 +421,20 @@ def table(runs: dict[str, list[Any]]) -> list[dict[str, Any]]:
 LOOPBACK = 2e9
 
 
-def predict(rows: list[dict[str, Any]]) -> dict[str, float]:
+def predict(rows: list[dict[str, Any]], chunks: int) -> dict[str, float]:
     """Each measured layout's step time as ``fd.suggest_layout`` predicts it on 2 ranks:
     node costs profiled here on one thread (the ranks' setting), sends and the all-reduce
     over :data:`LOOPBACK`."""
     torch.set_num_threads(1)
-    x, _ = _batch()
+    x, _ = _batch(chunks)
     layouts = fd.suggest_layout(
         _model(), x, 2, cost="time", device="cpu",
         schedules=("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "zbvzerobubble"),
-        virtual=(2,), chunks=(1, CHUNKS), link_bandwidth=LOOPBACK, dp_bandwidth=LOOPBACK,
+        virtual=(2,), chunks=(1, chunks), link_bandwidth=LOOPBACK, dp_bandwidth=LOOPBACK,
         data_parallel=("ddp", "fsdp"),
     )  # fmt: skip
     # mode -> (pp, dp, stages per rank, micro-batches, schedule; None for data parallel)
-    wanted = {mode: (2, 1, PIPELINED[mode][1], CHUNKS, PIPELINED[mode][0]) for mode in PIPELINES}
+    wanted = {mode: (2, 1, PIPELINED[mode][1], chunks, PIPELINED[mode][0]) for mode in PIPELINES}
     wanted |= {"ddp": (1, 2, 1, 1, None), "fsdp": (1, 2, 1, 1, None)}
     out = {}
     for mode, (pp, dp, v, m, schedule) in wanted.items():
@@ -433,13 +458,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--chunks", type=int, default=CHUNKS, help=f"micro-batches of {MICRO} samples per step"
+    )
     opts = parser.parse_args()
+    chunks, batch = opts.chunks, opts.chunks * MICRO
     load_before = os.getloadavg()[0]
     failures: list[str] = []
-    runs, costs = measure(opts.rounds, opts.warmup, opts.steps, failures)
-    rows = table(runs)
+    runs, costs = measure(opts.rounds, opts.warmup, opts.steps, chunks, failures)
+    rows = table(runs, chunks)
     print(
-        f"\n{DEPTH} residual MLP blocks, width {WIDTH}, hidden {HIDDEN}; batch {BATCH} x "
+        f"\n{DEPTH} residual MLP blocks, width {WIDTH}, hidden {HIDDEN}; batch {batch} x "
         f"{TOKENS} tokens; plan stage costs {[f'{c:.3g}' for c in costs]}"
     )
     print(
@@ -458,14 +487,14 @@ def main() -> None:
     speedup = {row["mode"]: row["speedup"] for row in rows}
     best_mode = max(PIPELINES, key=lambda mode: speedup[mode])
     best = speedup[best_mode]
-    bound = 2 * CHUNKS / (CHUNKS + 1)
+    bound = 2 * chunks / (chunks + 1)
     ceiling = speedup["halves"]
     # GPipe and 1F1B on 2 stages: the second rank waits for the first micro-batch's forward,
     # the first for the last micro-batch's backward: one micro-batch's work more than a rank's
-    bubbled_bound = speedup["work"] * CHUNKS / (CHUNKS + 1)
+    bubbled_bound = speedup["work"] * chunks / (chunks + 1)
     # interleaved 1F1B and looped BFS, 2 stages per rank: the same wait, for one stage's share
     # of a micro-batch (half a rank's): 2m / (2m + 1), Megatron-LM's (p - 1) / (v m) at p = 2
-    looped_bound = speedup["looped-work"] * 2 * CHUNKS / (2 * CHUNKS + 1)
+    looped_bound = speedup["looped-work"] * 2 * chunks / (2 * chunks + 1)
     zbv_bound = speedup["zbv-work"]
     bubbled = max(speedup["gpipe"], speedup["1f1b"])
     looped = max(speedup["interleaved"], speedup["loopedbfs"])
@@ -495,7 +524,7 @@ def main() -> None:
     )
     ddp = next(row for row in rows if row["mode"] == "ddp")
     measured = [row for row in rows if row["mode"] in LAYOUTS]
-    predicted = predict(rows)
+    predicted = predict(rows, chunks)
     for row in measured:
         row["predicted_step_ms"] = predicted[row["mode"]]
     print("predicted (fd.suggest_layout, cost='time' on this CPU) against measured step:")
@@ -521,7 +550,8 @@ def main() -> None:
         "width": WIDTH,
         "hidden": HIDDEN,
         "depth": DEPTH,
-        "batch": BATCH,
+        "batch": batch,
+        "micro_batches": chunks,
         "tokens": TOKENS,
         "micro_batch": MICRO,
         "steps": opts.steps,
