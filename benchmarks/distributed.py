@@ -158,10 +158,10 @@ def eager(warmup: int, steps: int, chunks: int, split: bool) -> dict[str, float]
     model, (x, y) = _model(), _batch(chunks)
     loss = functools.partial(_loss, batch=len(x))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    parts = chunks if split else 1
     for i in range(warmup + steps):
         if i == warmup:
             start, cpu = time.perf_counter(), time.process_time()
-        parts = chunks if split else 1
         for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
             loss(model(xs), ys).backward()
         opt.step()
@@ -462,6 +462,11 @@ def main() -> None:
         "--chunks", type=int, default=CHUNKS, help=f"micro-batches of {MICRO} samples per step"
     )
     opts = parser.parse_args()
+    if opts.chunks < 4 or opts.chunks % 2:
+        parser.error(
+            f"--chunks {opts.chunks}: pass an even number >= 4 (a micro-batch for each of the "
+            "4 stages, in rounds of one per rank for the interleaved schedules)"
+        )
     chunks, batch = opts.chunks, opts.chunks * MICRO
     load_before = os.getloadavg()[0]
     failures: list[str] = []
