@@ -490,7 +490,7 @@ CATALOGUE: dict[str, Bad] = {
         Steps, _steps_call, InputError, r"num_steps is 4 .* traced with 3"
     ),
     "call export graph with another shape": Bad(
-        export_only, _export_call, InputError, r"shape \(8, 12, 16\)"
+        export_only, _export_call, InputError, r"x \(8, 12, 16\)\) break a condition"
     ),
     "module replaced after pipeline()": Bad(
         net, _after_build(_replace_nested), ConfigError, "changed after pipeline"

@@ -389,13 +389,36 @@ def test_variadic_forward_traces_to_a_callable_graph(
         assert torch.equal(traced_output(t, args, kwargs), model(*args, **kwargs))
 
 
-def test_export_graph_rejects_another_non_batch_shape() -> None:
-    case = ZOO["export_only"]
-    _, t = traced(case.name, "export")
+def test_export_graph_rejects_a_non_batch_size_the_model_fixes() -> None:
+    case = ZOO["export_only"]  # checks its feature count, loops over windows of its steps
+    model, t = traced(case.name, "export")
     assert t.binder.shape_specialized
     (x,), _ = case.example(case.batch)
-    longer = torch.randn(case.batch, x.shape[1] + 2, x.shape[2])
-    with pytest.raises(InputError) as info:
-        t.binder.bind((longer,), {})
-    assert str(tuple(longer.shape)) in str(info.value)
+    wider = torch.randn(case.batch, x.shape[1], x.shape[2] + 2)  # a feature count it checks
+    with pytest.raises(InputError, match="fixed dim 2") as info:
+        t.binder.bind((wider,), {})
+    assert str(tuple(wider.shape)) in str(info.value)
+    # Its loop over windows of 4 steps unrolled for 10 steps holds for 9 to 11 steps only.
+    for steps in (8, 12, 14):
+        longer = torch.randn(case.batch, steps, x.shape[2])
+        with pytest.raises(InputError, match="break a condition") as info:
+            t.binder.bind((longer,), {})
+        assert str(tuple(longer.shape)) in str(info.value)
     t.binder.bind((x[:3],), {})  # another batch size is fine
+    t.binder.bind((x[:, :9],), {})  # and a length the same graph holds for
+    with torch.no_grad():
+        got = traced_output(t, (x[:, :9],), {})
+        assert_same_tree(got, model(x[:, :9]))
+
+
+def test_export_graph_takes_other_sizes_of_dims_the_model_leaves_free() -> None:
+    case = ZOO["llama"]  # a decoder: any sequence length
+    model, t = traced(case.name, "export")
+    assert not t.binder.shape_specialized
+    (ids,), _ = case.example(case.batch)
+    for length in (ids.shape[1] - 3, ids.shape[1] + 5):
+        other = torch.randint(0, 64, (3, length))
+        mask = torch.ones(3, length)
+        mask[0, -2:] = 0
+        with torch.no_grad():
+            assert_same_tree(traced_output(t, (other, mask), {}), model(other, mask))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,9 @@ class _Leaf:
     ndim: int = 0
     inner_shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
+    #: For a tensor the graph only takes in some shapes: the size it needs at each dim
+    #: after the batch (None: any size); empty when every dim may change.
+    fixed: tuple[int | None, ...] = ()
 
 
 def argument_name(signature: inspect.Signature, path: Sequence[Any]) -> str:
@@ -113,8 +117,11 @@ class InputBinder:
     #: For kind "params", the parameter name of each placeholder; for "leaves", the
     #: index of each placeholder's leaf.
     targets: tuple[Any, ...]
-    #: True when the graph only works for the traced non-batch shapes (export).
-    shape_specialized: bool
+    #: The conditions torch.export recorded on the input sizes (a callable that raises
+    #: AssertionError naming the one a call breaks), called on the leaves at
+    #: ``guard_leaves``; None when there are none.
+    guards: Callable[..., Any] | None = None
+    guard_leaves: tuple[int, ...] = ()
 
     @classmethod
     def from_example(
@@ -124,10 +131,25 @@ class InputBinder:
         *,
         kind: str,
         targets: Sequence[Any],
-        shape_specialized: bool,
+        fixed: Mapping[int, tuple[int | None, ...]] | None = None,
+        guards: Callable[..., Any] | None = None,
+        guard_leaves: Sequence[int] = (),
     ) -> InputBinder:
+        """``fixed``: leaf index -> the size the graph needs at each dim after the batch
+        (None: any), for leaves whose graph fixed some (torch.export specialises a dim the
+        model's Python code branches on); ``guards``: see the field."""
         leaves, spec = _example_leaves(signature, bound)
-        return cls(signature, spec, tuple(leaves), kind, tuple(targets), shape_specialized)
+        for index, dims in (fixed or {}).items():
+            if any(d is not None for d in dims):
+                leaves[index] = dataclasses.replace(leaves[index], fixed=tuple(dims))
+        return cls(
+            signature, spec, tuple(leaves), kind, tuple(targets), guards, tuple(guard_leaves)
+        )
+
+    @property
+    def shape_specialized(self) -> bool:
+        """Whether some tensor argument must keep a non-batch size of the example's."""
+        return any(leaf.fixed for leaf in self.leaves)
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
         """One value per placeholder for this call; raises InputError on any mismatch."""
@@ -138,6 +160,7 @@ class InputBinder:
         for leaf, value in zip(self.leaves, flat):
             self._check_leaf(leaf, value)
         self._check_batch(flat)
+        self._check_guards(flat)
         if self.kind == "leaves":
             return tuple(flat[int(i)] for i in self.targets)
         return tuple(bound.arguments[str(name).lstrip("*")] for name in self.targets)
@@ -167,6 +190,26 @@ class InputBinder:
                     f"{first[0]} has {first[1]}; dim 0 of every tensor input is the batch"
                 )
 
+    def _check_guards(self, flat: Sequence[Any]) -> None:
+        """The sizes satisfy what the graph was traced for (a graph whose code unrolled a
+        loop over a dynamic size holds for the sizes that unroll alike)."""
+        if self.guards is None:
+            return
+        try:
+            self.guards(*[flat[i] for i in self.guard_leaves])
+        except AssertionError as e:
+            shapes = ", ".join(
+                f"{leaf.where} {tuple(flat[i].shape)}"
+                for i, leaf in enumerate(self.leaves)
+                if leaf.is_tensor and isinstance(flat[i], torch.Tensor)
+            )
+            raise InputError(
+                f"the inputs' shapes ({shapes}) break a condition the model's code put on "
+                f"them when torch.export traced it ({e}): the graph holds for the sizes "
+                "that meet it; pass such sizes, or rebuild the pipeline with an example of "
+                "the new shape"
+            ) from None
+
     def _check_leaf(self, leaf: _Leaf, value: Any) -> None:
         if not leaf.is_tensor:
             if isinstance(value, torch.Tensor) or not _same_constant(value, leaf.value):
@@ -181,14 +224,21 @@ class InputBinder:
                 f"argument {leaf.where} is {_short(value)} but a tensor was traced there; "
                 "pass a tensor"
             )
-        if self.shape_specialized and (
-            value.ndim != leaf.ndim or tuple(value.shape[1:]) != leaf.inner_shape
-        ):
+        if not leaf.fixed:
+            return
+        inner = tuple(value.shape[1:])
+        wrong = value.ndim != leaf.ndim or any(
+            need is not None and need != got for need, got in zip(leaf.fixed, inner)
+        )
+        if wrong:
+            wanted = ", ".join("*" if d is None else str(d) for d in leaf.fixed)
+            dims = [str(d + 1) for d, need in enumerate(leaf.fixed) if need is not None]
             raise InputError(
                 f"argument {leaf.where} has shape {tuple(value.shape)} but the graph was "
-                f"traced for shape (batch, {', '.join(map(str, leaf.inner_shape))}) and is "
-                "specialised to it; pass that shape or rebuild the pipeline with an example "
-                "of the new shape"
+                f"traced for shape (batch, {wanted}) ('*': any size): the model's code fixed "
+                f"dim {', '.join(dims)} to the example's size (torch.export specialises a "
+                "size the forward branches or loops on); pass that size, or rebuild the "
+                "pipeline with an example of the new shape"
             )
 
     def _structure_mismatch(self, bound: inspect.BoundArguments) -> str:

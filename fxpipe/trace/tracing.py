@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
@@ -199,9 +200,7 @@ def _trace_fx(
     replicate_shape_queries(gm)
     spec = _flatten_output(gm, tracer.returned)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
-    binder = InputBinder.from_example(
-        signature, bound, kind="params", targets=targets, shape_specialized=False
-    )
+    binder = InputBinder.from_example(signature, bound, kind="params", targets=targets)
     values = binder.bind(bound.args, bound.kwargs)
     return Traced(gm, binder, spec, "fx", values)
 
@@ -215,9 +214,9 @@ def _trace_export(
     """Export the call as the caller wrote it (``given``): passing defaults positionally
     breaks forwards whose decorators fill them by keyword, and torch.export keys dynamic
     shapes by the arguments it binds, so a defaulted ``**kwargs`` must not appear."""
-    batch = torch.export.Dim.AUTO
+    auto = torch.export.Dim.AUTO  # every dim dynamic unless the model's code fixes it
     dynamic = {
-        k: tree_map(lambda t: {0: batch} if _is_batched(t) else None, v)
+        k: tree_map(lambda t: dict.fromkeys(range(t.ndim), auto) if _is_batched(t) else None, v)
         for k, v in given.arguments.items()
     }
     quiet = io.StringIO()  # export prints partial graphs on failure
@@ -244,20 +243,45 @@ def _trace_export(
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(unlifted, graph, type(model).__name__)
+    guards, guarded = _guards(gm)
     kept = _drop_guards_and_constants(gm, given)
     _reattach_grad_constants(gm, program.constants)
     _merge_aliased_attributes(gm)
     replicate_shape_queries(gm)
     position = leaf_positions(signature, given, bound)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     binder = InputBinder.from_example(
         signature,
         bound,
         kind="leaves",
         targets=[position[i] for i in kept],
-        shape_specialized=True,
+        fixed={position[i]: _fixed_dims(n) for i, n in zip(kept, placeholders, strict=True)},
+        guards=guards,
+        guard_leaves=[position[i] for i in guarded],
     )
     values = binder.bind(bound.args, bound.kwargs)
     return Traced(gm, binder, out_spec, "export", values)
+
+
+def _guards(gm: fx.GraphModule) -> tuple[nn.Module | None, list[int]]:
+    """The module torch.export made to check a call's input sizes (it raises
+    AssertionError naming the condition a call breaks), and the index of each input leaf
+    it takes; (None, []) where the graph has none."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            guards = gm.get_submodule(str(node.target))
+            return guards, [placeholders.index(a) for a in node.args]
+    return None, []
+
+
+def _fixed_dims(placeholder: fx.Node) -> tuple[int | None, ...]:
+    """The size torch.export fixed at each dim after the batch of an input (None: dynamic,
+    or nothing recorded)."""
+    value = placeholder.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.ndim == 0:
+        return ()
+    return tuple(int(d) if is_concrete_int(d) else None for d in value.shape[1:])
 
 
 @contextlib.contextmanager
