@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from fxpipe.budgets import (
     MaxMemory,
@@ -35,15 +37,22 @@ from fxpipe.materialise import all_meta, check_meta_pricing, holds_meta, meta_vi
 from fxpipe.model_state import preserved
 from fxpipe.options import PlanOptions, RunOptions
 from fxpipe.passes.cost_model import estimate_costs
+from fxpipe.passes.follow import follow_borders
 from fxpipe.passes.memory import memory_model
 from fxpipe.passes.nx_graph import replicate_shared_weights, to_networkx
-from fxpipe.passes.partition import partition_graph
+from fxpipe.passes.partition import Partition, partition_graph
 from fxpipe.passes.plan import build_plan
 from fxpipe.passes.split_stages import split_stages
 from fxpipe.pipeline import Pipeline
 from fxpipe.progress import phase, pricing_progress
 from fxpipe.speeds import device_kind, kind_speeds
-from fxpipe.trace.example_checks import check_outputs_follow_batch, example_args, example_batch
+from fxpipe.trace.batch_checks import check_micro_batches
+from fxpipe.trace.example_checks import (
+    check_outputs_follow_batch,
+    example_args,
+    example_batch,
+    with_reductions,
+)
 from fxpipe.trace.tracing import Traced, fake_runnable, trace
 
 __all__ = ["plan", "pipeline", "compile_model", "Compiled"]
@@ -57,10 +66,17 @@ class Compiled:
     plan: PipelinePlan
     program: StageProgram
 
-    def pipeline(self, model: nn.Module, run: RunOptions) -> Pipeline:
+    def pipeline(
+        self, model: nn.Module, run: RunOptions, options: PlanOptions | None = None
+    ) -> Pipeline:
         """The runnable Pipeline of ``model`` (the model this was compiled from); chunks
-        default to the ones the plan assumed (``Pipeline`` resolves them)."""
-        return Pipeline(model, self.traced, self.plan, self.program, run)
+        default to the ones the plan assumed (``Pipeline`` resolves them). With
+        ``options`` (those it was planned with), a call in another mode or with other
+        arguments traces the model again and splits it along this plan's borders."""
+        follow = None
+        if options is not None:
+            follow = functools.partial(_follow, model, self, options)
+        return Pipeline(model, self.traced, self.plan, self.program, run, follow)
 
 
 def plan(
@@ -252,7 +268,7 @@ def pipeline(
             "deferred_batch_norm=True needs a model traced with torch.fx (this one needed "
             "torch.export, which fixes BatchNorm into the graph); pass deferred_batch_norm=False"
         )
-    return compiled.pipeline(model, run)
+    return compiled.pipeline(model, run, options)
 
 
 def compile_model(
@@ -271,7 +287,12 @@ def compile_model(
     budgets = stage_budgets(parse_max_memory(options.max_memory), targets, capacity)
     speeds = stage_speeds(parse_speed(options.speed), targets)
     with traced_example(
-        model, example_input, example_kwargs, tracer=options.tracer, pricing=options.pricing()
+        model,
+        example_input,
+        example_kwargs,
+        tracer=options.tracer,
+        pricing=options.pricing(),
+        reductions=options.reductions,
     ) as (traced, batch):
         if options.replicate_weights:
             replicate_shared_weights(traced.graph_module)
@@ -286,11 +307,15 @@ def traced_example(
     *,
     tracer: TracerName,
     pricing: PricingMode | Callable[[fx.Node], float],
+    reductions: bool = True,
 ) -> Iterator[tuple[Traced, int]]:
     """``model`` traced on the example, whose outputs are checked to follow its batch; yields
-    (the traced model, the batch size). A model built on ``meta`` is traced on a meta copy
-    of the example (``pricing`` must not need real values); one that also holds real
-    tensors is seen as shapes only for the ``with`` block."""
+    (the traced model, the batch size). With ``reductions``, outputs that reduce over the
+    batch (a loss inside the model) are computed from partial sums per micro-batch
+    (:func:`fxpipe.trace.example_checks.with_reductions`); else they are refused. A model
+    built on ``meta`` is traced on a meta copy of the example (``pricing`` must not need
+    real values); one that also holds real tensors is seen as shapes only for the ``with``
+    block."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
     view: AbstractContextManager[Any] = nullcontext()
@@ -306,6 +331,8 @@ def traced_example(
             traced = trace(model, args, example_kwargs, tracer=tracer)
         with phase("check", "outputs follow the batch"):
             with preserved(model), fake_runnable(model):  # fake runs may write into buffers
+                if reductions:
+                    traced = with_reductions(traced, batch)
                 check_outputs_follow_batch(traced, batch)
         yield traced, batch
 
@@ -409,3 +436,71 @@ def _check_meta_stages(model: nn.Module, devices: Sequence[torch.device]) -> Non
             f"the model's {real[0]!r} is on {real[1]}; run the stages on cpu or cuda "
             "(fxpipe.plan accepts meta devices)"
         )
+
+
+def _follow(
+    model: nn.Module,
+    leader: Compiled,
+    options: PlanOptions,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> tuple[Traced, PipelinePlan, StageProgram]:
+    """``model`` traced as it is now (its modules' training modes) for a call of this
+    structure, split along ``leader``'s borders (:mod:`fxpipe.passes.follow`): a pipeline's
+    new variant. Traced on ``meta`` views of the model and of an example of the leader's
+    batch size (the model's tensors already live on several devices); priced by the
+    roofline, which runs nothing."""
+    plan = leader.plan
+    batch = plan.costs.batch_size
+    example = _meta_example((args, dict(kwargs)), batch)
+    pricing = "roofline" if options.pricing() == "time" else options.pricing()
+    with preserved(model), meta_view(model, live=True):
+        front = traced_example(
+            model, *example, tracer=_tracer(leader.traced.tracer), pricing=pricing,
+            reductions=options.reductions,
+        )  # fmt: skip
+        with front as (traced, _), preserved(model), fake_runnable(model):
+            with phase("price", f"{len(traced.graph_module.graph.nodes)} nodes, again"):
+                costs = estimate_costs(
+                    traced.graph_module,
+                    traced.example_values,
+                    mode=pricing,
+                    device=plan.devices[0],
+                    micro_batches=plan.chunks,
+                )
+            with phase("split", "along the first trace's borders"):
+                g = to_networkx(traced.graph_module, costs)
+                stage_of = follow_borders(plan, traced.graph_module, g)
+                followed = build_plan(
+                    traced.graph_module,
+                    costs,
+                    g,
+                    Partition(stage_of, 0.0, "follow", 0.0, options.traffic),
+                    plan.devices,
+                    chunks=plan.chunks,
+                    checkpoint=options.checkpoint,
+                    speeds=plan.speeds or None,
+                    training=model.training and torch.is_grad_enabled(),
+                )
+                program = split_stages(followed, traced.output_spec, traffic=options.traffic)
+            check_micro_batches(traced, plan.chunks, model)
+    return traced, followed, program
+
+
+def _meta_example(call: Any, batch: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments on ``meta``, every batched tensor resized to ``batch`` rows
+    (torch.export would fix a batch of one into the graph)."""
+
+    def resized(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = (batch, *t.shape[1:]) if t.ndim else ()
+        return torch.empty(shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+
+    args, kwargs = tree_map(resized, call)
+    return tuple(args), dict(kwargs)
+
+
+def _tracer(name: str) -> TracerName:
+    """The tracer that made a graph, as an option (``Traced.tracer`` is "fx" or "export")."""
+    return "export" if name == "export" else "fx"

@@ -16,6 +16,7 @@ __all__ = [
     "UninitialisedError",
     "FxPipeWarning",
     "BatchStatisticsWarning",
+    "ChunksWarning",
     "MemoryEstimateWarning",
 ]
 
@@ -77,6 +78,11 @@ class FxPipeWarning(UserWarning):
 class BatchStatisticsWarning(FxPipeWarning):
     """Layers that use per-batch statistics (BatchNorm in training) see micro-batches, so
     their outputs and running statistics differ from the unpipelined model's."""
+
+
+class ChunksWarning(FxPipeWarning):
+    """A batch smaller than ``chunks`` runs as fewer micro-batches than asked (one per
+    sample)."""
 
 
 class MemoryEstimateWarning(FxPipeWarning):

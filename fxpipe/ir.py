@@ -30,6 +30,8 @@ __all__ = [
     "PipelinePlan",
     "ValueRef",
     "StageProgram",
+    "Finalize",
+    "Join",
     "RECOMPUTE",
     "CheckpointMode",
     "CostMode",
@@ -64,6 +66,12 @@ COST_MODES: tuple[CostMode, ...] = get_args(CostMode)
 PRICING_MODES: tuple[PricingMode, ...] = get_args(PricingMode)
 TRACERS: tuple[TracerName, ...] = get_args(TracerName)
 TRAFFIC: tuple[Traffic, ...] = get_args(Traffic)
+
+#: How the micro-batches' values of one output of a stage program are joined: "cat" along
+#: dim 0 (a per-sample value), "sum" (a partial sum over the micro-batch's samples, or a
+#: count of them, which add up to the batch's), or "same" (a value that does not depend on
+#: the batch, such as a dtype read off a batch: every micro-batch gives it alike).
+Join: TypeAlias = Literal["cat", "sum", "same"]
 
 #: fx node meta key of a node copy that recomputes an input-derived value beside its
 #: reader (``fxpipe.trace.recompute``); no stage border may separate it from its reader.
@@ -270,3 +278,27 @@ class StageProgram:
     @property
     def num_stages(self) -> int:
         return len(self.modules)
+
+
+@dataclass(frozen=True)
+class Finalize:
+    """What turns the joined outputs of a stage program into the model's outputs, where the
+    model reduces over its batch (a loss computed inside it): run once per call, after the
+    micro-batches' values are joined.
+
+    ``graph_module`` is called as ``graph_module(*joined, *[values[i] for i in inputs],
+    device)``: first one value per output of the stage program, joined as ``joins`` says,
+    then the model inputs it reads (``inputs``: positions among the graph's placeholders),
+    then the device the outputs go to. It returns the model's flat output leaves.
+    """
+
+    graph_module: GraphModule
+    #: How each output of the stage program is joined over micro-batches.
+    joins: tuple[Join, ...]
+    #: Placeholder positions (of the traced graph) of the model inputs it reads.
+    inputs: tuple[int, ...]
+    #: How the model names each of its output leaves (``loss``, ``logits``, ``[0]``).
+    names: tuple[str, ...]
+    #: The output leaves it computes (positions among the model's flat outputs), each a
+    #: reduction over the batch or a value that does not depend on it.
+    reduced: tuple[int, ...] = ()

@@ -47,28 +47,34 @@ def all_meta(model: nn.Module) -> bool:
 
 
 @contextmanager
-def meta_view(model: nn.Module) -> Iterator[None]:
+def meta_view(model: nn.Module, *, live: bool = False) -> Iterator[None]:
     """Within the block, the real tensors of ``model`` hold ``meta`` storage of their shape,
     so that a model partly on ``meta`` (parameters there, buffers real, as Accelerate's
-    ``init_empty_weights`` leaves them) is traced and priced on one device; each gets its
-    own storage back on exit (the same objects throughout)."""
+    ``init_empty_weights`` leaves them), or spread over several devices, is traced and
+    priced on one device; each gets its own storage back on exit (the same objects
+    throughout). ``live``: a tensor an autograd graph still holds (a loss kept from the last
+    step) is swapped too; nothing runs backward inside the block, and the swap is undone."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         seen: set[int] = set()
         for name, t in chain(model.named_parameters(), model.named_buffers()):
             if not t.is_meta and id(t) not in seen:
                 seen.add(id(t))
-                swapped.append((t, _swap_in(t, torch.empty_like(t, device="meta"), name)))
+                empty = torch.empty_like(t, device="meta")
+                swapped.append((t, _swap_in(t, empty, name, check=not live)))
         yield
     finally:
         for t, real in reversed(swapped):
             torch._C._swap_tensor_impl(t, real)
 
 
-def _swap_in(tensor: torch.Tensor, storage: torch.Tensor, name: str) -> torch.Tensor:
+def _swap_in(
+    tensor: torch.Tensor, storage: torch.Tensor, name: str, *, check: bool = True
+) -> torch.Tensor:
     """Swap ``storage`` (a new tensor) into the object ``tensor``; returns the object that
-    now holds ``tensor``'s old contents (swap them again to undo)."""
-    if tensor._use_count() > 1:  # type: ignore[attr-defined]
+    now holds ``tensor``'s old contents (swap them again to undo). ``check``: refuse a
+    tensor a live autograd graph holds (the swap would outlive the caller's block)."""
+    if check and tensor._use_count() > 1:  # type: ignore[attr-defined]
         raise DeviceError(
             f"{name!r} is referenced by a live autograd graph (outputs of an earlier run of "
             "the model are still held); drop them before fxpipe.pipeline(), so that the "

@@ -61,6 +61,10 @@ class PlanOptions:
     #: than receiving it from the first with every micro-batch: for runtimes that sum the
     #: copies' gradients once per step (one process per stage).
     replicate_weights: bool = False
+    #: Compute outputs that reduce over the batch (a loss inside the model) from partial
+    #: sums per micro-batch (:mod:`fxpipe.passes.reductions`); False refuses them, for
+    #: runtimes that hand each micro-batch's output to a loss function of their own.
+    reductions: bool = True
 
     def __post_init__(self) -> None:
         check_cost(self.cost)
@@ -73,6 +77,8 @@ class PlanOptions:
         object.__setattr__(self, "speed", parse_speed(self.speed))
         if not isinstance(self.replicate_weights, bool):
             raise ConfigError(f"replicate_weights={self.replicate_weights!r} must be a bool")
+        if not isinstance(self.reductions, bool):
+            raise ConfigError(f"reductions={self.reductions!r} must be a bool")
 
     def pricing(self) -> PricingMode | Callable[[fx.Node], float]:
         """The cost mode the pricing pass runs: ``"auto"`` is the analytic roofline, the same
@@ -80,8 +86,9 @@ class PlanOptions:
         return "roofline" if self.cost == "auto" else self.cost
 
     def micro_batches(self, stages: int, batch: int) -> int:
-        """``chunks``, or the default for ``stages`` stages and a batch of ``batch``."""
-        return self.chunks or default_chunks(stages, batch)
+        """How many micro-batches the example batch of ``batch`` samples runs as: ``chunks``
+        (at most one per sample), or the default for ``stages`` stages."""
+        return min(self.chunks, batch) if self.chunks else default_chunks(stages, batch)
 
 
 @dataclass(frozen=True)

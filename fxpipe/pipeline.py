@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.devices import same_device
 from fxpipe.errors import (
+    ChunksWarning,
     ConfigError,
     DeviceError,
     InputError,
@@ -34,6 +35,7 @@ from fxpipe.runtime.microbatch import gather, scatter
 from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 from fxpipe.trace.tracing import Traced
+from fxpipe.variants import Follow, Variant, Variants, check_placement, modes_of
 
 __all__ = ["Pipeline"]
 
@@ -56,35 +58,25 @@ class Pipeline(nn.Module):
         plan: PipelinePlan,
         program: StageProgram,
         run: RunOptions,
+        follow: Follow | None = None,
     ) -> None:
         super().__init__()
         chunks = run.chunks or plan.chunks
-        deferred_batch_norm = run.deferred_batch_norm
         self.module = model
         self.plan = plan
         self.devices = tuple(plan.devices)
         self.chunks = chunks
         self.checkpoint = run.checkpoint
         self.output_device = run.output_device
-        self._traced = traced
-        self._program = program
-        check_micro_batches(traced, chunks, model)
-        self._batch_statistics = BatchStatistics.of(traced)
-        if deferred_batch_norm:
-            self._batch_statistics.warned = True  # asked for: the docs say what it changes
-        self._deferred = (
-            [convert_deferred_batch_norm(m) for m in program.modules]
-            if deferred_batch_norm
-            else []
-        )
+        self._run_options = run
+        self._recorder: RunRecorder = NO_RECORDER
+        self._use_threads: bool | None = None
+        self._warned_chunks = False
         self._materialised = _place_parameters(model, program, self.devices)
-        self._executor = Executor(
-            program,
-            self.devices,
-            run.checkpoint,
-            labels=[_stage_label(plan, j) for j in range(plan.num_stages)],
-        )
-        self._wanted = [x.name for x in program.output_leaves if isinstance(x, ValueRef)]
+        first = self._variant(modes_of(model), traced, plan, program)
+        if run.deferred_batch_norm:
+            first.statistics.warned = True  # asked for: the docs say what it changes
+        self._variants = Variants(model, first, follow, self._variant)
         self._modules_at_build = _module_ids(model)
         self.training = model.training
         self._training_overflow = (  # planned for inference: what training would need
@@ -92,6 +84,56 @@ class Pipeline(nn.Module):
             if plan.training
             else training_overflow(plan, chunks=chunks, checkpoint=run.checkpoint)
         )
+
+    def _variant(
+        self,
+        modes: tuple[bool, ...],
+        traced: Traced,
+        plan: PipelinePlan,
+        program: StageProgram,
+    ) -> Variant:
+        """The stages of one trace of the model, ready to run (checked against the
+        micro-batches and the devices the first trace placed the tensors on)."""
+        check_micro_batches(traced, self.chunks, self.module)
+        check_placement(self.module, program, self.devices)
+        if self._run_options.deferred_batch_norm:
+            for module in program.modules:
+                convert_deferred_batch_norm(module)
+        executor = Executor(
+            program,
+            self.devices,
+            self.checkpoint,
+            labels=[_stage_label(plan, j) for j in range(plan.num_stages)],
+        )
+        executor.recorder = self._recorder
+        if self._use_threads is not None:
+            executor.use_threads = self._use_threads
+        variants: Variants | None = getattr(self, "_variants", None)
+        if variants is not None:  # one worker thread per device for every variant
+            executor.workers = variants.first.executor.workers
+        statistics = BatchStatistics.of(traced)
+        if variants is not None:
+            statistics.warned = variants.first.statistics.warned
+        return Variant(modes, traced, plan, program, executor, statistics)
+
+    @property
+    def _traced(self) -> Traced:
+        return self._variants.first.traced
+
+    @property
+    def _program(self) -> StageProgram:
+        return self._variants.first.program
+
+    @property
+    def _executor(self) -> Executor:
+        return self._variants.first.executor
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        """Every form of the model this pipeline has traced and runs: the first (whose plan
+        is :attr:`plan`), and one for each other set of training modes or call structure it
+        was called with (:mod:`fxpipe.variants`)."""
+        return tuple(self._variants.all)
 
     @property
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:
@@ -107,7 +149,9 @@ class Pipeline(nn.Module):
 
     @use_threads.setter
     def use_threads(self, value: bool) -> None:
-        self._executor.use_threads = value
+        self._use_threads = value
+        for variant in self._variants.all:
+            variant.executor.use_threads = value
 
     @contextmanager
     def attach_recorder(self, recorder: RunRecorder) -> Iterator[None]:
@@ -122,40 +166,73 @@ class Pipeline(nn.Module):
         Raises:
             ConfigError: another recorder is attached; one recording at a time.
         """
-        executor = self._executor
-        if executor.recorder is not NO_RECORDER:
+        if self._recorder is not NO_RECORDER:
             raise ConfigError("this pipeline is already being recorded; nest no fxpipe.record()")
-        executor.recorder = recorder
+        self._set_recorder(recorder)
         try:
             yield
         finally:
-            executor.recorder = NO_RECORDER
+            self._set_recorder(NO_RECORDER)
+
+    def _set_recorder(self, recorder: RunRecorder) -> None:
+        self._recorder = recorder
+        for variant in self._variants.all:
+            variant.executor.recorder = recorder
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``model(*args, **kwargs)`` as micro-batches through the stages; the output has
         the model's structure, on ``output_device`` (default: the first tensor's device).
 
-        Arguments are checked against the example the pipeline was built on (the same
-        structure, the same non-tensor values, one batch size on dim 0): a mismatch is an
-        ``InputError``. Torch's RuntimeError inside a stage (a shape error, say) becomes a
-        ``StageRunError`` naming the stage, the micro-batch and its rows of the batch; other
-        exceptions keep their type and get that as a note.
+        The model runs in the mode its modules are in (``pipe.train()``/``pipe.eval()``, or
+        the model's own): a call in a mode, or with arguments, the pipeline has not run yet
+        traces the model again for it first, split along the same borders
+        (:attr:`variants`). Arguments are checked against what the trace fixed (the same
+        non-tensor values, one batch size on dim 0, sizes the model's code fixes): a
+        mismatch is an ``InputError``. Torch's RuntimeError inside a stage (a shape error,
+        say) becomes a ``StageRunError`` naming the stage, the micro-batch and its rows of
+        the batch; other exceptions keep their type and get that as a note.
         """
         self._check_unchanged()
         if self._materialised.active:  # built on meta: every tensor must be loaded
             self._materialised.check()
-        values = self._traced.binder.bind(args, kwargs)
+        variant = self._variants.pick(args, kwargs)
+        values = variant.traced.binder.bind(args, kwargs)
         device = self.output_device or _first_device(values)
         batches = scatter(values, self.chunks)
-        self._batch_statistics.warn_once(len(batches))
+        self._warn_chunks(len(batches))
+        variant.statistics.warn_once(len(batches))
         if self._training_overflow and self.training and torch.is_grad_enabled():
             self._warn_training()
-        results = self._executor.run(batches, self._wanted)
+        training = self.module.training
+        for stage in variant.program.modules:  # checkpointing follows the model's mode
+            stage.training = training
+        results = variant.executor.run(batches, variant.wanted)
+        program = variant.program
         flat = [
-            [env[x.name] if isinstance(x, ValueRef) else x for x in self._program.output_leaves]
+            [env[x.name] if isinstance(x, ValueRef) else x for x in program.output_leaves]
             for env in results
         ]
-        return tree_unflatten(gather(flat, device), self._program.output_spec)
+        finalize = variant.traced.finalize
+        if finalize is None:
+            return tree_unflatten(gather(flat, device), program.output_spec)
+        joined = gather(flat, device, finalize.joins)
+        read = [values[i] for i in finalize.inputs]
+        leaves = finalize.graph_module(*joined, *read, device)
+        return tree_unflatten(list(leaves), program.output_spec)
+
+    def _warn_chunks(self, micro_batches: int) -> None:
+        """Once: a batch smaller than ``chunks`` runs fewer micro-batches (one per sample)."""
+        if micro_batches >= self.chunks or self._warned_chunks:
+            return
+        self._warned_chunks = True
+        warnings.warn(
+            f"a batch of {micro_batches} samples runs as {micro_batches} micro-batches of "
+            f"one sample, fewer than chunks={self.chunks}: a micro-batch is never empty; "
+            "the bubble is larger than the plan predicts (pass larger batches or a smaller "
+            "chunks). Said once per pipeline.",
+            ChunksWarning,
+            stacklevel=3,
+        )
 
     def _warn_training(self) -> None:
         """Once: the plan was checked for inference, and training would not fit."""
@@ -174,10 +251,12 @@ class Pipeline(nn.Module):
         )
 
     def train(self, mode: bool = True) -> Pipeline:
-        """Set training mode (``mode=False``: eval) on the pipeline, its stages and the model."""
+        """Set training mode (``mode=False``: eval) on the pipeline, its stages and the model;
+        the next call runs the model in that mode."""
         super().train(mode)
-        for stage in self._program.modules:
-            stage.train(mode)
+        for variant in self._variants.all:
+            for stage in variant.program.modules:
+                stage.train(mode)
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:

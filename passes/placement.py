@@ -20,9 +20,13 @@ __all__ = ["retarget", "place_graph"]
 
 
 def retarget(
-    node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+    node: fx.Node,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device: torch.device | fx.Node,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``node``'s arguments with every device constant replaced by ``device``."""
+    """``node``'s arguments with every device constant replaced by ``device`` (a device, or
+    a node of the same graph whose value is one)."""
     if node.op not in ("call_function", "call_method"):
         return args, kwargs
 

@@ -25,7 +25,13 @@ from fxpipe.passes.ops import op_name
 from fxpipe.passes.roofline import Roofline
 from fxpipe.passes.roofline_facts import Facts, aliases, attribute, node_cost, tensors
 
-__all__ = ["recorded_shapes", "recorded_sizes", "recorded_outputs", "price_recorded"]
+__all__ = [
+    "recorded_shapes",
+    "recorded_sizes",
+    "recorded_outputs",
+    "recorded_at",
+    "price_recorded",
+]
 
 _COMPOSITE = "CompositeImplicitAutograd"
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -74,6 +80,31 @@ def recorded_outputs(
     sizes export recorded in terms of the inputs' batch sizes: ``(True, shape)`` for a
     tensor, ``(False, value)`` for anything else. None where the recording cannot tell
     (a batch size export fixed, a value it did not record)."""
+    runs = recorded_at(gm, example_values, batch)
+    if runs is None:
+        return None
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves = [a.name if isinstance(a, fx.Node) else a for a in output.args[0]]
+    out = []
+    for run in runs:
+        found = [
+            run.get(leaf) if isinstance(leaf, str) else (False, leaf)
+            for leaf in leaves  # a str is a node's name; anything else a constant leaf
+        ]
+        if any(x is None for x in found):
+            return None
+        out.append([x for x in found if x is not None])
+    return out
+
+
+def recorded_at(
+    gm: fx.GraphModule, example_values: Sequence[Any], batch: int
+) -> list[dict[str, tuple[bool, Any]]] | None:
+    """Every node's value for a batch of ``batch`` and of ``batch + 1`` (two dicts: node
+    name -> ``(True, shape)`` for a tensor, ``(False, value)`` for anything else; a
+    tuple of tensors is ``(False, tuple of those pairs)``), from the sizes export recorded;
+    every other recorded size is the example's. None where the recording cannot tell (a
+    batch size export fixed, a value it did not record)."""
     values = recorded_shapes(gm, example_values)
     if values is None:
         return None
@@ -86,26 +117,32 @@ def recorded_outputs(
             if not isinstance(leading, torch.SymInt):
                 return None  # fixed at export time
             batch_sizes.append(leading.node.expr)
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    leaves = [values[a.name] if isinstance(a, fx.Node) else a for a in output.args[0]]
-    runs = []
+    runs: list[dict[str, tuple[bool, Any]]] = []
     for size in (batch, batch + 1):
         at = {symbol: size for symbol in batch_sizes}
-        run = [_evaluated(leaf, at) for leaf in leaves]
-        if any(leaf is None for leaf in run):
-            return None
-        runs.append([leaf for leaf in run if leaf is not None])
+        run: dict[str, tuple[bool, Any]] = {}
+        for n in gm.graph.nodes:
+            if n.op == "output":
+                continue
+            found = _evaluated(values[n.name], at)
+            if found is not None:
+                run[n.name] = found
+        runs.append(run)
     return runs
 
 
 def _evaluated(value: Any, at: dict[Any, int]) -> tuple[bool, Any] | None:
-    """``value`` with the batch sizes set as in ``at``; None if anything else is symbolic."""
+    """``value`` with the batch sizes set as in ``at`` and every other size at the
+    example's; None where that cannot be told."""
     if isinstance(value, torch.Tensor):
         dims = [_at(d, at) for d in value.shape]
         return None if any(d is None for d in dims) else (True, tuple(dims))
     if isinstance(value, (torch.SymInt, torch.SymFloat)):
         number = _at(value, at)
         return None if number is None else (False, number)
+    if isinstance(value, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in value):
+        parts = [_evaluated(x, at) for x in value]
+        return None if any(p is None for p in parts) else (False, tuple(parts))
     leaves, _ = tree_flatten(value)
     if any(isinstance(x, (torch.Tensor, *_SYMBOLIC)) for x in leaves):
         return None
@@ -116,6 +153,10 @@ def _at(value: Any, at: dict[Any, int]) -> Any:
     if not isinstance(value, (torch.SymInt, torch.SymFloat)):
         return value
     expr = value.node.expr.subs(at)
+    if not expr.is_number:  # other sizes (a sequence length): the example's
+        env = value.node.shape_env
+        hints = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
+        expr = expr.xreplace({s: hints[s] for s in expr.free_symbols if s in hints})
     if not expr.is_number:
         return None
     return int(expr) if isinstance(value, torch.SymInt) else float(expr)

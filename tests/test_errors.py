@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import sweep
 from models import ZOO, FixedRows
 from torch import nn
@@ -234,11 +233,6 @@ def _pair_call(mutate: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
     return act
 
 
-def _steps_call(model: nn.Module) -> Any:
-    pipe = fxpipe.pipeline(model, (X, 3), CPU2, cost="flops", chunks=2)
-    return pipe(X, 4)
-
-
 def _export_pipe(model: nn.Module, **options: Any) -> fxpipe.Pipeline:
     args, kwargs = ZOO["export_only"].example(8)
     return fxpipe.pipeline(model, args, CPU2, example_kwargs=kwargs, cost="flops", **options)
@@ -341,11 +335,35 @@ CATALOGUE: dict[str, Bad] = {
         net, _build(devices=["cpu"] * 40), PlanError, r"at most \d+ stages .* 40 stages"
     ),
     "model computes nothing": Bad(Nothing, _build(), PlanError, "computes nothing"),
-    "output int is the batch size": Bad(
-        lambda: Outputs(lambda h: h.shape[0]), _build(), PlanError, r"is 6 for a batch of 6"
+    "output int grows with the batch but not in proportion": Bad(
+        lambda: Outputs(lambda h: h.shape[0] - 1),
+        _build(),
+        PlanError,
+        r"output value output\[1\] \(the graph's 'sub'\) is 5 for a batch of 6 and 6 for 7",
     ),
-    "output tensor without batch dim": Bad(
-        lambda: Outputs(lambda h: h.sum(0)), _build(), PlanError, r"shape \(4,\)"
+    "output tensor reduced over the batch by a max": Bad(
+        lambda: Outputs(lambda h: h.amax(0)),
+        _build(),
+        PlanError,
+        r"output output\[1\] reduces over the batch through 'amax'.*sums, means and losses",
+    ),
+    "output picks one sample of the batch": Bad(
+        lambda: Outputs(lambda h: h[0]),
+        _build(),
+        PlanError,
+        r"reduces over the batch through 'getitem'",
+    ),
+    "per-sample values minus the batch mean": Bad(
+        lambda: Outputs(lambda h: h - h.mean(0)),
+        _build(),
+        PlanError,
+        r"'sub' .* computes per-sample values from 'mean'.*depends on the whole batch",
+    ),
+    "per-sample values over the batch size": Bad(
+        lambda: Outputs(lambda h: h / h.shape[0]),
+        _build(),
+        PlanError,
+        r"'truediv' .* scales per-sample values by the batch size",
     ),
     "output Python float from item()": Bad(
         lambda: Outputs(lambda h: h.mean().item()), _build(), PlanError, "'item'"
@@ -358,11 +376,11 @@ CATALOGUE: dict[str, Bad] = {
         r"\(chunks=2\): at reshape\(a, 6, 2, 4\) in forward: shape '\[6, 2, 4\]' is invalid.*"
         r"compute it from the input \(x\.shape\[0\].*or pass chunks=1",
     ),
-    "output 0-dim loss": Bad(
-        lambda: Outputs(lambda h: F.mse_loss(h, torch.zeros_like(h))),
+    "output variance over the batch": Bad(
+        lambda: Outputs(lambda h: h.var()),
         _build(),
         PlanError,
-        r"'mse_loss' has shape \(\)",
+        r"reduces over the batch through 'var'",
     ),
     "cost callable returns a str": Bad(
         net, _build(cost=_cost_of("cheap")), ConfigError, "returned 'cheap'"
@@ -486,9 +504,6 @@ CATALOGUE: dict[str, Bad] = {
     "call with a 0-dim tensor": Bad(
         net, _call(torch.tensor(2.0)), InputError, "x is a 0-dim tensor"
     ),
-    "call changes a non-tensor argument": Bad(
-        Steps, _steps_call, InputError, r"num_steps is 4 .* traced with 3"
-    ),
     "call export graph with another shape": Bad(
         export_only, _export_call, InputError, r"x \(8, 12, 16\)\) break a condition"
     ),
@@ -579,6 +594,18 @@ def test_cuda_without_a_gpu_says_so() -> None:
     with pytest.raises(DeviceError, match=r"'cuda:0' is not present: this machine has 0 CUDA"):
         _pipe(model, devices=["cuda:0", "cuda:1"])
     before.assert_same(model)
+
+
+def test_a_call_with_another_non_tensor_value_runs_the_model_traced_for_it() -> None:
+    """A loop count is fixed at trace time: a call with another traces the model again
+    (a new variant, split along the same borders), never the traced count silently."""
+    model = Steps()
+    twin = copy.deepcopy(model)
+    pipe = fxpipe.pipeline(model, (X, 3), CPU2, cost="flops", chunks=2)
+    torch.testing.assert_close(pipe(X, 4), twin(X, 4))
+    torch.testing.assert_close(pipe(X, 3), twin(X, 3))
+    assert len(pipe.variants) == 2
+    assert [p.device for p in model.parameters()] == [p.device for p in twin.parameters()]
 
 
 def test_a_failed_call_leaves_the_pipeline_working() -> None:

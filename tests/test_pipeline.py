@@ -27,6 +27,7 @@ from fxpipe.errors import (
     PlanError,
     StageRunError,
 )
+from fxpipe.variants import MAX_VARIANTS
 
 
 class Net(nn.Module):
@@ -301,8 +302,9 @@ def test_call_time_inputs_are_checked() -> None:
     bad = (args[0], args[1][:5])
     with pytest.raises(InputError, match="batch"):
         pipe(*bad, **kwargs)
-    with pytest.raises(InputError):
-        pipe(*args)  # a keyword the graph was traced with is missing
+    # A keyword the graph was traced with left out: the model traced again without it.
+    torch.testing.assert_close(pipe(*args), model(*args))
+    assert len(pipe.variants) == 2
     with pytest.raises(InputError, match="empty|0"):
         pipe(args[0][:0], args[1][:0], **{k: v[:0] for k, v in kwargs.items()})
     out = pipe(args[0][:2], args[1][:2], **{k: v[:2] for k, v in kwargs.items()})
@@ -323,7 +325,7 @@ def test_export_graphs_refuse_another_non_batch_shape() -> None:
     torch.testing.assert_close(pipe(*args, **kwargs), model(*args, **kwargs))
 
 
-def test_a_non_tensor_argument_must_keep_its_traced_value() -> None:
+def test_another_value_of_a_non_tensor_argument_traces_the_model_again() -> None:
     class Scaled(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -336,8 +338,13 @@ def test_a_non_tensor_argument_must_keep_its_traced_value() -> None:
     x = torch.randn(4, 4)
     pipe = fxpipe.pipeline(model, (x, 2.0), ["cpu"], cost="flops")
     torch.testing.assert_close(pipe(x, 2.0), model(x, 2.0))
-    with pytest.raises(InputError, match="3.0"):
-        pipe(x, 3.0)
+    torch.testing.assert_close(pipe(x, 3.0), model(x, 3.0))  # fixed at trace time: again
+    torch.testing.assert_close(pipe(x, 2.0), model(x, 2.0))
+    assert len(pipe.variants) == 2
+    for k in range(4, 4 + MAX_VARIANTS - 2):
+        pipe(x, float(k))
+    with pytest.raises(ConfigError, match=r"traced the model 8 times.*scale is 99\.0"):
+        pipe(x, 99.0)  # a value that changes on every call: refused, not traced forever
 
 
 def test_replacing_a_module_after_building_is_detected() -> None:
@@ -471,11 +478,15 @@ def test_batch_norm_warning_comes_at_the_first_training_call() -> None:
 def test_batch_norm_fixed_in_training_by_export_is_warned_with_the_fx_remedy() -> None:
     torch.manual_seed(0)
     x = torch.randn(8, 4)
-    pipe = fxpipe.pipeline(Normed(), x, ["cpu"] * 2, chunks=4, cost="flops", tracer="export")
-    pipe.eval()  # torch.export fixed the mode at trace time: still batch statistics
-    (warned,), *_ = _calls(pipe, x, 1)
+    model = Normed()
+    pipe = fxpipe.pipeline(model, x, ["cpu"] * 2, chunks=4, cost="flops", tracer="export")
+    (warned,), *_ = _calls(pipe, x, 1)  # torch.export fixed batch statistics in training
     assert "'bn'" in str(warned.message)
     assert "needs a graph from torch.fx (tracer='fx')" in str(warned.message)
+    pipe.eval()  # the model traced again in eval mode: running statistics, as eager
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(pipe(x), model(x))
 
 
 # ---------------------------------------------------------------------------- help

@@ -358,21 +358,12 @@ class VarPositional(nn.Module):
         return self.lin(inputs[0]) + inputs[1]
 
 
-VARIADIC_EXPORT_LIMIT = pytest.mark.xfail(
-    strict=True,
-    reason="torch.export rejects every dynamic_shapes spec for a **kwargs forward ('Must "
-    "provide a tree_name'), and without one the batch size is fixed; fx traces it",
-)
-
-
 def variadic_params() -> list[Any]:
     out = []
     for model_type in (VarKeyword, VarPositional):
         for tracer in ("auto", "fx", "export"):
-            limited = tracer == "export" and model_type is VarKeyword
-            marks = [VARIADIC_EXPORT_LIMIT] if limited else []
             name = f"{model_type.__name__}-{tracer}"
-            out.append(pytest.param(model_type, tracer, id=name, marks=marks))
+            out.append(pytest.param(model_type, tracer, id=name))
     return out
 
 

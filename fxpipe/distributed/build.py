@@ -123,6 +123,7 @@ def pipeline_schedule(
         slack=slack,
         traffic="relay",
         replicate_weights=True,  # each rank its copy; sync_tied_gradients sums them
+        reductions=False,  # torch's schedules give each micro-batch's output to loss_fn
     )
     world = dist.get_world_size(group)
     total = _stage_count(world, stages_per_rank, num_stages, mesh=mesh is not None)

@@ -461,7 +461,9 @@ def _price(
 ) -> _Priced:
     """Trace and price once (a model on ``meta`` on a meta copy of the example, as
     :func:`fxpipe.api.compile_model` does)."""
-    front = traced_example(model, example_input, example_kwargs, tracer=tracer, pricing=mode)
+    front = traced_example(
+        model, example_input, example_kwargs, tracer=tracer, pricing=mode, reductions=False
+    )
     with front as (traced, batch):
         replicate_shared_weights(traced.graph_module)  # as pipeline_schedule plans them
         with preserved(model), fake_runnable(model):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch.utils._pytree import (
 )
 
 from fxpipe.errors import ConfigError, InputError
+from fxpipe.ir import Join
 
 __all__ = ["scatter", "gather", "batch_size"]
 
@@ -31,21 +34,17 @@ def _leaf_name(path: KeyPath, names: Sequence[str] | None) -> str:
 
 
 def batch_size(values: tuple[Any, ...], names: Sequence[str] | None = None) -> int | None:
-    """The dim-0 size every tensor leaf of ``values`` shares (None when there is no tensor).
+    """The dim-0 size every tensor leaf of ``values`` shares (None when there is no tensor
+    with a dimension; a 0-dim tensor is a whole value, as ``num_items_in_batch`` is).
 
-    Raises :class:`InputError` for a 0-dim tensor, an empty batch or mismatched sizes.
+    Raises :class:`InputError` for an empty batch or mismatched sizes.
     """
     size: int | None = None
     first = ""
     for path, leaf in tree_flatten_with_path(values)[0]:
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             continue
         name = _leaf_name(path, names)
-        if leaf.dim() == 0:
-            raise InputError(
-                f"{name} is a 0-dim tensor, which has no batch dimension to split; "
-                "give it a leading batch dimension"
-            )
         if size is None:
             size, first = leaf.size(0), name
             if size == 0:
@@ -65,8 +64,8 @@ def scatter(
 
     Parts differ in size by at most one (``Tensor.tensor_split``), so a batch that does not
     divide evenly, or one smaller than ``chunks``, still works and no micro-batch is empty.
-    Non-tensor leaves go unchanged to every micro-batch. ``names`` (one per value) only
-    serves error messages. Returns one tuple of values per micro-batch.
+    Non-tensor leaves and 0-dim tensors go unchanged to every micro-batch. ``names`` (one
+    per value) only serves error messages. Returns one tuple of values per micro-batch.
     """
     if chunks < 1:
         raise ConfigError(f"chunks must be a positive integer (got {chunks})")
@@ -76,7 +75,8 @@ def scatter(
     parts = min(chunks, size)
     leaves, spec = tree_flatten(values)
     split = [
-        leaf.tensor_split(parts) if isinstance(leaf, torch.Tensor) else None for leaf in leaves
+        leaf.tensor_split(parts) if isinstance(leaf, torch.Tensor) and leaf.dim() else None
+        for leaf in leaves
     ]
     batches: list[tuple[Any, ...]] = []
     for i in range(parts):
@@ -94,20 +94,26 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _gather_leaf(parts: list[Any], where: str, device: torch.device | None) -> Any:
+def _gather_leaf(parts: list[Any], where: str, device: torch.device | None, join: Join) -> Any:
     first = parts[0]
     if isinstance(first, torch.Tensor):
         if not all(isinstance(p, torch.Tensor) for p in parts):
             raise InputError(f"{where} is a tensor in some micro-batches but not in others")
+        target = first.device if device is None else device
+        if join == "sum":  # partial sums and counts: the batch's is their sum
+            return functools.reduce(operator.add, [p.to(target) for p in parts])
+        if join == "same":
+            return first.to(target)
         if first.dim() == 0:
             raise InputError(
                 f"{where} is a 0-dim tensor (shape ()), so micro-batches cannot be concatenated "
                 "along the batch dimension; return it with a leading batch dimension"
             )
-        target = first.device if device is None else device
         if len(parts) == 1:
             return first.to(target)
         return torch.cat([p.to(target) for p in parts], dim=0)
+    if join == "sum":
+        return sum(parts)
     for p in parts[1:]:
         if not _equal(first, p):
             raise InputError(
@@ -117,14 +123,21 @@ def _gather_leaf(parts: list[Any], where: str, device: torch.device | None) -> A
     return first
 
 
-def gather(outputs: list[list[Any]], device: torch.device | None = None) -> list[Any]:
+def gather(
+    outputs: list[list[Any]],
+    device: torch.device | None = None,
+    joins: Sequence[Join] | None = None,
+) -> list[Any]:
     """Join per-micro-batch outputs: ``outputs[i][p]`` is value ``p`` of micro-batch ``i``.
 
-    Tensor leaves are concatenated on dim 0 onto ``device`` (by default the first
-    micro-batch's device); other leaves must be equal across micro-batches.
+    ``joins[p]`` says how (default: all ``"cat"``): ``"cat"`` concatenates tensor leaves on
+    dim 0 and checks that other leaves are equal across micro-batches; ``"sum"`` adds them
+    (partial sums and counts); ``"same"`` keeps micro-batch 0's (a value every micro-batch
+    gives alike). Tensors go onto ``device`` (by default the first micro-batch's device).
     """
     if not outputs:
         raise InputError("there are no micro-batches to gather")
+    kinds: Sequence[Join] = joins if joins is not None else ["cat"] * len(outputs[0])
     joined: list[Any] = []
     for p in range(len(outputs[0])):
         flat = [tree_flatten(out[p]) for out in outputs]
@@ -137,7 +150,7 @@ def gather(outputs: list[list[Any]], device: torch.device | None = None) -> list
                 )
         paths = [keystr(path) for path, _ in tree_flatten_with_path(outputs[0][p])[0]]
         leaves = [
-            _gather_leaf([f[0][x] for f in flat], f"output {p}{paths[x]}", device)
+            _gather_leaf([f[0][x] for f in flat], f"output {p}{paths[x]}", device, kinds[p])
             for x in range(len(paths))
         ]
         joined.append(tree_unflatten(leaves, spec))

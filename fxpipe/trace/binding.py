@@ -151,6 +151,32 @@ class InputBinder:
         """Whether some tensor argument must keep a non-batch size of the example's."""
         return any(leaf.fixed for leaf in self.leaves)
 
+    def fits(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+        """Whether the call has the structure this graph was traced for: the same
+        arguments passed, tensors where tensors were, the same non-tensor values. (Its
+        shapes are :meth:`bind`'s to check.) InputError when it does not match the
+        forward's signature at all."""
+        bound = bind_arguments(self.signature, args, kwargs)
+        flat, spec = tree_flatten((bound.args, bound.kwargs))
+        if spec != self.in_spec:
+            return False
+        for leaf, value in zip(self.leaves, flat, strict=True):
+            if leaf.is_tensor != isinstance(value, torch.Tensor):
+                return False
+            if not leaf.is_tensor and not _same_constant(value, leaf.value):
+                return False
+        return True
+
+    def same_call(self, other: InputBinder) -> bool:
+        """Whether ``other`` maps calls onto its graph as this one does."""
+        return (
+            self.in_spec == other.in_spec
+            and self.leaves == other.leaves
+            and self.kind == other.kind
+            and self.targets == other.targets
+            and (self.guards is None) == (other.guards is None)
+        )
+
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
         """One value per placeholder for this call; raises InputError on any mismatch."""
         bound = bind_arguments(self.signature, args, kwargs)

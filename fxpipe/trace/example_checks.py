@@ -4,6 +4,7 @@ micro-batch outputs can be joined into it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -11,16 +12,30 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.utils._pytree import tree_flatten_with_path, tree_map
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten_with_path,
+    tree_map,
+    tree_unflatten,
+)
 
 from fxpipe.errors import InputError, PlanError
+from fxpipe.passes.batch_roles import batch_roles
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.recorded import recorded_outputs
+from fxpipe.passes.reductions import split_reductions
 from fxpipe.passes.shape_only import same_shape_output
 from fxpipe.trace.binding import argument_name, describe_value
 from fxpipe.trace.tracing import Traced
 
-__all__ = ["example_args", "example_batch", "check_outputs_follow_batch"]
+__all__ = [
+    "example_args",
+    "example_batch",
+    "output_names",
+    "with_reductions",
+    "check_outputs_follow_batch",
+]
 
 
 def example_args(example_input: Any) -> tuple[Any, ...]:
@@ -50,11 +65,13 @@ def example_batch(
     ]
     if not sizes:
         raise InputError("the example has no tensor; pass at least one batched tensor input")
-    scalars = [w for w, shape in sizes if len(shape) == 0]
-    if scalars:
+    scalars = [w for w, shape in sizes if len(shape) == 0]  # whole values, not split
+    sizes = [(w, shape) for w, shape in sizes if len(shape) > 0]
+    if not sizes:
         raise InputError(
-            f"example input {scalars[0]} is a 0-dim tensor; dim 0 of every tensor is the batch "
-            "dimension: give it one"
+            f"example input {scalars[0]} is a 0-dim tensor, and the example has no tensor "
+            "with a batch dimension to split (dim 0 of a tensor is the batch; a 0-dim tensor "
+            "goes whole to every micro-batch); pass at least one batched tensor input"
         )
     batch = sizes[0][1][0]
     for where, shape in sizes:
@@ -66,6 +83,33 @@ def example_batch(
     if batch == 0:
         raise InputError("the example batch is empty (size 0); pass at least one sample")
     return int(batch)
+
+
+def output_names(spec: TreeSpec) -> list[str]:
+    """How the model names each of its output leaves: ``'loss'`` for a key or attribute of
+    the output itself, ``output[1]['x']`` deeper, ``output`` for a lone tensor."""
+    leaves = tree_unflatten(list(range(spec.num_leaves)), spec)
+    names = []
+    for path, _ in tree_flatten_with_path(leaves)[0]:
+        key = path[0] if len(path) == 1 else None
+        plain = getattr(key, "key", getattr(key, "name", None))
+        names.append(repr(plain) if isinstance(plain, str) else f"output{keystr(path)}")
+    return names
+
+
+def with_reductions(traced: Traced, batch: int) -> Traced:
+    """``traced`` with the outputs that reduce over the batch (a loss inside the model)
+    computed from per-micro-batch partial sums (:mod:`fxpipe.passes.reductions`); as it is
+    where every output is per-sample, or where the graph's values at another batch size
+    cannot be told (the output check that follows reports what it can)."""
+    roles = batch_roles(traced.graph_module, traced.example_values, batch)
+    if roles is None:
+        return traced
+    names = output_names(traced.output_spec)
+    gm, finalize = split_reductions(traced.graph_module, roles, names)
+    if finalize is None:
+        return traced
+    return dataclasses.replace(traced, graph_module=gm, finalize=finalize)
 
 
 def check_outputs_follow_batch(traced: Traced, batch: int) -> None:
@@ -94,23 +138,40 @@ def check_outputs_follow_batch(traced: Traced, batch: int) -> None:
             return
         except Exception:
             return
-    for leaf, a, b in zip(output.args[0], *runs, strict=True):
-        name = leaf.name if isinstance(leaf, fx.Node) else repr(leaf)
+    joins = traced.finalize.joins if traced.finalize else ("cat",) * len(output.args[0])
+    names = _leaf_names(traced)
+    for leaf, join, name, a, b in zip(output.args[0], joins, names, *runs, strict=True):
+        if join != "cat":  # a partial sum or count (fxpipe's own), joined by adding
+            continue
+        graph_name = f" (the graph's {leaf.name!r})" if isinstance(leaf, fx.Node) else ""
         if isinstance(a, _Shape) and isinstance(b, _Shape):
             same_rest = len(a) == len(b) > 0 and a[1:] == b[1:]
             if not (same_rest and a[0] * (batch + 1) == b[0] * batch):
                 raise PlanError(
-                    f"output tensor {name!r} has shape {tuple(a)} for a batch of {batch} and "
-                    f"{tuple(b)} for {batch + 1}: its dim 0 is not the batch, so micro-batches "
-                    "cannot be joined into it; return per-sample values (batch first) and "
-                    "reduce outside the model"
+                    f"output tensor {name}{graph_name} has shape {tuple(a)} for a batch of "
+                    f"{batch} and {tuple(b)} for {batch + 1}: its dim 0 is not the batch, so "
+                    "micro-batches cannot be joined into it; return per-sample values (batch "
+                    "first) and reduce outside the model"
                 )
         elif not _same(a, b):
             raise PlanError(
-                f"output value {name!r} is {a!r} for a batch of {batch} and {b!r} for "
+                f"output value {name}{graph_name} is {a!r} for a batch of {batch} and {b!r} for "
                 f"{batch + 1}: it depends on the batch size, so each micro-batch would return "
                 "its own; return it as a batch-first tensor or compute it outside the model"
             )
+
+
+def _leaf_names(traced: Traced) -> list[str]:
+    """How the model names each output of the traced graph (a partial sum the graph adds
+    is named by fxpipe)."""
+    output = next(n for n in reversed(traced.graph_module.graph.nodes) if n.op == "output")
+    count = len(output.args[0])
+    names = output_names(traced.output_spec)
+    finalize = traced.finalize
+    if finalize is None:
+        return names
+    kept = [names[i] for i in range(len(names)) if i not in finalize.reduced]
+    return kept + [f"partial sum {k}" for k in range(count - len(kept))]
 
 
 #: Ops that read a tensor's value into Python (a number or a list).

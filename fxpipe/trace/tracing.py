@@ -32,7 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_map
 
 from fxpipe.errors import TraceError
-from fxpipe.ir import TracerName
+from fxpipe.ir import Finalize, TracerName
 from fxpipe.model_state import preserved
 from fxpipe.passes.cost_model import output_sizes
 from fxpipe.trace.aliasing import mark_aliasing
@@ -63,6 +63,10 @@ class Traced:
     tracer: str
     #: The example's value for each placeholder, in order.
     example_values: tuple[Any, ...]
+    #: Where the model reduces over its batch (a loss inside it): what joins the graph's
+    #: outputs into the model's (:mod:`fxpipe.passes.reductions`); None: the graph's
+    #: outputs are the model's flat output leaves, each batch-first.
+    finalize: Finalize | None = None
 
 
 def trace(
@@ -217,12 +221,12 @@ def _trace_export(
     auto = torch.export.Dim.AUTO  # every dim dynamic unless the model's code fixes it
     dynamic = {
         k: tree_map(lambda t: dict.fromkeys(range(t.ndim), auto) if _is_batched(t) else None, v)
-        for k, v in given.arguments.items()
+        for k, v in _flat_arguments(signature, given).items()
     }
     quiet = io.StringIO()  # export prints partial graphs on failure
     functions: list[FunctionCall] = []
     with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        with functions_recorded(functions):
+        with functions_recorded(functions), _named_keywords(model, signature, given):
             program = torch.export.export(
                 model, tuple(given.args), dict(given.kwargs), strict=False, dynamic_shapes=dynamic
             )
@@ -261,6 +265,49 @@ def _trace_export(
     )
     values = binder.bind(bound.args, bound.kwargs)
     return Traced(gm, binder, out_spec, "export", values)
+
+
+def _flat_arguments(signature: inspect.Signature, given: inspect.BoundArguments) -> dict[str, Any]:
+    """The call's arguments by name, what a ``**kwargs`` parameter took spread out by key."""
+    out: dict[str, Any] = {}
+    for name, value in given.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+@contextlib.contextmanager
+def _named_keywords(
+    model: nn.Module, signature: inspect.Signature, given: inspect.BoundArguments
+) -> Iterator[None]:
+    """Within the block, a call that passes keywords through ``**kwargs`` (Hugging Face's
+    ``num_items_in_batch``) meets a forward whose signature names them: torch.export keys
+    dynamic shapes by the forward's parameters and rejects any spec for ``**kwargs``. The
+    forward called is the model's own; only its signature is spelt out."""
+    var = [p for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+    if not var or not given.arguments.get(var[0].name):
+        yield
+        return
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [inspect.Parameter(k, keyword) for k in given.arguments[var[0].name]]
+    original = model.forward
+    had = "forward" in vars(model)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            model.forward = original  # type: ignore[method-assign]
+        else:
+            del model.forward
 
 
 def _guards(gm: fx.GraphModule) -> tuple[nn.Module | None, list[int]]:

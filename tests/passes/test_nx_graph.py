@@ -230,8 +230,8 @@ class TableInEveryLayer(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            table = torch.arange(x.shape[1], dtype=x.dtype, device=x.device).cos()
+        with torch.autocast(device_type=x.device.type, enabled=False):  # 8: x's width
+            table = torch.arange(8, dtype=x.dtype, device=x.device).cos()
         for layer in self.layers:
             x = layer(x) * table
         return x

@@ -54,9 +54,15 @@ def test_scatter_mismatched_batch_names_the_leaf() -> None:
         scatter(values, 2)
 
 
-def test_scatter_rejects_zero_dim_and_empty_batches() -> None:
-    with pytest.raises(InputError, match="0-dim"):
-        scatter((torch.zeros(4), torch.tensor(1.0)), 2)
+def test_scatter_passes_a_zero_dim_tensor_whole_to_every_micro_batch() -> None:
+    total = torch.tensor(7.0)  # num_items_in_batch: one number for the whole batch
+    parts = scatter((torch.arange(4.0), total), 3)
+    assert [p[0].tolist() for p in parts] == [[0.0, 1.0], [2.0], [3.0]]
+    assert all(p[1] is total for p in parts)
+    assert len(scatter((total,), 3)) == 1  # nothing to split: one micro-batch
+
+
+def test_scatter_rejects_empty_batches() -> None:
     with pytest.raises(InputError, match="empty batch"):
         scatter((torch.zeros(0, 3),), 2)
     with pytest.raises(ConfigError):
@@ -78,6 +84,17 @@ def test_gather_keeps_autograd() -> None:
     (y,) = gather(outputs, torch.device("cpu"))
     y.sum().backward()
     assert x.grad is not None and torch.equal(x.grad, torch.full((5, 2), 3.0))
+
+
+def test_gather_adds_partial_sums_and_keeps_values_every_micro_batch_gives_alike() -> None:
+    x = torch.randn(7, 3, requires_grad=True)
+    parts = [[b[0].sum(), b[0].shape[0], torch.float32, b[0] * 2] for b in scatter((x,), 3)]
+    total, rows, dtype, doubled = gather(parts, joins=["sum", "sum", "same", "cat"])
+    torch.testing.assert_close(total, x.sum())
+    assert rows == 7 and dtype is torch.float32
+    torch.testing.assert_close(doubled, x * 2)
+    total.backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.ones(7, 3))
 
 
 def test_gather_errors() -> None:
