@@ -1313,7 +1313,7 @@ def run_child(spec: Spec, cost: str, timeout: float) -> Row:
     """Run one model's worker in a subprocess of its own, killed after ``timeout`` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", spec.name,
+        cmd = [sys.executable, "-m", "benchmarks.coverage", "--worker", spec.name,
                "--cost", cost, "--result", str(result)]  # fmt: skip
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **CHILD_ENV}, text=True,

@@ -38,7 +38,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 import traceback
 import zlib
@@ -53,12 +52,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import coverage as cov  # noqa: E402  (benchmarks/coverage.py: the models and the comparisons)
-from common import free_port  # noqa: E402
-
-import fxpipe.distributed as fd  # noqa: E402
-from fxpipe.errors import FxPipeError  # noqa: E402
+import benchmarks.coverage as cov  # the models and the comparisons
+import fxpipe.distributed as fd
+from benchmarks.harness.processes import free_port
+from fxpipe.errors import FxPipeError
 
 Row = dict[str, Any]
 PP, DP = 2, 2

@@ -4,9 +4,9 @@ of Hugging Face Accelerate (``infer_auto_device_map``, "sequential" and "balance
 Run from the repository root (transformers is in the ``test`` extra; Accelerate is needed by
 this benchmark only, not by fxpipe: ``pip install accelerate``)::
 
-    python benchmarks/giant.py [--out PATH] [--models llama-7b gpt2-xl] [--ratios 4 2 ...]
+    python -m benchmarks.giant [--out PATH] [--models llama-7b gpt2-xl] [--ratios 4 2 ...]
 
-Llama-7B's and GPT-2 XL's shapes (``benchmarks/hf_plan.py``'s configs, float32) are built
+Llama-7B's and GPT-2 XL's shapes (``benchmarks/harness/models/giants.py``, float32) are built
 under ``torch.device("meta")`` (no weights, no memory) and put in eval mode; the example is
 a batch of 16 sequences of 1,024 tokens, run as 16 micro-batches of one sequence
 (``chunks=16``) over 4 devices ``cuda:0``..``cuda:3`` (planned only: they need not be
@@ -84,8 +84,6 @@ import math
 import os
 import platform
 import re
-import shlex
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,11 +94,10 @@ import numpy as np
 import torch
 import torch.fx as fx
 import transformers
-from common import save_json
-from hf_plan import _gpt2_xl, _llama_7b
-from partition import format_table
 from torch import nn
 
+from benchmarks.harness.models.giants import gpt2_xl, llama_7b
+from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from fxpipe.devices import normalize_devices
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import CheckpointMode, CostTable, PipelinePlan
@@ -141,8 +138,8 @@ class Giant:
 
 
 GIANTS: dict[str, Giant] = {
-    "llama-7b": Giant(_llama_7b, 32000, "model.layers", "LlamaDecoderLayer"),
-    "gpt2-xl": Giant(_gpt2_xl, 50257, "transformer.h", "GPT2Block"),
+    "llama-7b": Giant(llama_7b, 32000, "model.layers", "LlamaDecoderLayer"),
+    "gpt2-xl": Giant(gpt2_xl, 50257, "transformer.h", "GPT2Block"),
 }
 
 
@@ -154,7 +151,7 @@ def _accelerate() -> tuple[Callable[..., Any], Callable[..., Any], str]:
         from accelerate.utils import get_balanced_memory
     except ImportError:
         raise SystemExit(
-            "benchmarks/giant.py compares fxpipe with Hugging Face Accelerate, which fxpipe "
+            "benchmarks.giant compares fxpipe with Hugging Face Accelerate, which fxpipe "
             "does not depend on; install it to run this benchmark: pip install accelerate"
         ) from None
     # "Device i is not available": the maps are for GPUs this machine does not have.
@@ -925,7 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent / "results" / "giant.json",
+        default=result_path("giant"),
         help="where to write the JSON results (default: benchmarks/results/giant.json)",
     )
     parser.add_argument("--models", nargs="*", default=list(GIANTS), choices=list(GIANTS))
@@ -936,7 +933,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _timed_diagnosis()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    command = shlex.join(["python", *sys.argv])
+    command = command_line()
     load_before = os.getloadavg()[0]
     print(
         f"command: {command}\ntorch {torch.__version__}, transformers "

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python benchmarks/gpu.py [--out PATH] [--budget-s S]
-    python benchmarks/gpu.py --dry-run      # the same code paths on CPU, tiny sizes
+    python -m benchmarks.gpu [--out PATH] [--budget-s S]
+    python -m benchmarks.gpu --dry-run      # the same code paths on CPU, tiny sizes
 
 Made to run once, unattended, in under 5 minutes on one GPU. Every section is guarded: an
 error is printed and recorded and the next section runs; a section that would start after
@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import re
-import shlex
 import statistics
 import sys
 import tempfile
@@ -58,15 +57,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import chunked_step, plain_step, residual_mlp
 from torch import nn
 
 import fxpipe
+from benchmarks.harness.mlp import chunked_step, plain_step, residual_mlp
+from benchmarks.harness.output import command_line, result_path
 from fxpipe.passes.plan import PARAM_COPIES
 from fxpipe.runtime.stream import current_stream, new_stream, use_stream, wait_stream
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu.json"
+DEFAULT_OUT = result_path("gpu")
 STAGES = 4
 CHUNKS = 8
 MODES = ("never", "except_last", "always")
@@ -246,7 +245,7 @@ class Run:
 
     def _write(self, out: Path) -> None:
         record = {
-            "command": shlex.join(["python", *sys.argv]),
+            "command": command_line(),
             "dry_run": self.args.dry_run,
             "device": device_name(self.dev),
             "torch": torch.__version__,
@@ -666,7 +665,7 @@ def main() -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print(
             "no CUDA device: nothing measured, nothing written. "
-            "`python benchmarks/gpu.py --dry-run` runs the same code on CPU."
+            "`python -m benchmarks.gpu --dry-run` runs the same code on CPU."
         )
         return 0
     if args.out is None:  # a dry run's numbers are no GPU results: keep them out of the tree
