@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/distributed.py [--out PATH] [--steps N] [--rounds R] [--chunks M]
+    python -m benchmarks.distributed [--out PATH] [--steps N] [--rounds R] [--chunks M]
 
 A balanced deep model (8 pre-LayerNorm residual MLP blocks, width 512, hidden 1024) trains
 with SGD on a batch of ``M`` micro-batches (``--chunks``, 32 by default) of 4 samples of 128
@@ -45,7 +45,7 @@ Why 32 micro-batches of 512 rows: with ``m`` micro-batches two stages are busy t
 all but one micro-batch's time, so the pipeline's speed-up is at most ``2 m / (m + 1)``:
 1.78x at 8, 1.88x at 16, 1.94x at 32. At 16 that leaves the 1.8x target 4% for everything
 else (the two processes slowing each other, the sends, a shared host's noise), and runs at
-16 met it in one of three (``benchmarks/README.md``); 32 is what GPipe's and torchgpipe's
+16 met it in one of three (``benchmarks/docs/distributed.md``); 32 is what GPipe's and torchgpipe's
 throughput benchmarks use (AmoebaNet-D, m = 32). More micro-batches of the same size make
 a larger batch, not smaller pieces of work: a pipeline computes every weight gradient once
 per micro-batch and adds it to the last, which moves the whole weight matrix each time; at
@@ -92,10 +92,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from common import free_port, save_json
 from torch import nn
 
 import fxpipe.distributed as fd
+from benchmarks.harness.output import result_path, save_json
+from benchmarks.harness.processes import free_port
 
 WIDTH, HIDDEN, DEPTH, TOKENS, MICRO = 512, 1024, 8, 128, 4
 #: Micro-batches per step by default (``--chunks``); the batch is ``chunks * MICRO`` samples.
@@ -453,8 +454,7 @@ def predict(rows: list[dict[str, Any]], chunks: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    default_out = Path(__file__).resolve().parent / "results" / "distributed.json"
-    parser.add_argument("--out", type=Path, default=default_out)
+    parser.add_argument("--out", type=Path, default=result_path("distributed"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

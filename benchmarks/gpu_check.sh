@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything fxpipe checks on a CUDA machine, in one run of a few minutes: the quickstart on
-# the GPUs present, the CUDA-marked tests, benchmarks/gpu.py, then the whole suite with CUDA
-# visible (on several workers when pytest-xdist is installed). Logs and JSON go to $OUT
-# (default /tmp/fxpipe-gpu); a short summary is printed last.
+# the GPUs present, the CUDA-marked tests, the GPU benchmark (python -m benchmarks.gpu), then
+# the whole suite with CUDA visible (on several workers when pytest-xdist is installed). Logs
+# and JSON go to $OUT (default /tmp/fxpipe-gpu); a short summary is printed last.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, torch with CUDA installed
 set -u
@@ -28,10 +28,15 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # No network there: install without dependencies or build isolation (torch, networkx present).
+# Benchmarks run as `python -m benchmarks.NAME` from BENCH_DIR: the repository root, or the
+# copy (whose fxpipe holds passes/, as the install would) when the install fails.
+BENCH_DIR=.
 if ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1; then
     echo "editable install failed; using a copy on PYTHONPATH" | tee -a "$OUT/install.log"
     mkdir -p /tmp/fxpipe-site && cp -r fxpipe /tmp/fxpipe-site/ && cp -r passes /tmp/fxpipe-site/fxpipe/
+    cp -r benchmarks /tmp/fxpipe-site/
     export PYTHONPATH=/tmp/fxpipe-site
+    BENCH_DIR=/tmp/fxpipe-site
 fi
 "$PY" -c "import torch, fxpipe, networkx; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 
@@ -41,7 +46,8 @@ workers=()
 TAIL=8 step quickstart 90 "$PY" examples/quickstart.py
 step cuda_tests 150 "$PY" -m pytest -q -m cuda "${workers[@]}" tests
 if [ -z "${SKIP_BENCH:-}" ]; then
-    TAIL=40 step gpu_bench 170 "$PY" benchmarks/gpu.py --out "$OUT/gpu.json" --budget-s 110
+    TAIL=40 step gpu_bench 170 sh -c 'cd "$1" && shift && exec "$@"' sh "$BENCH_DIR" \
+        "$PY" -m benchmarks.gpu --out "$OUT/gpu.json" --budget-s 110
 fi
 if [ -z "${SKIP_SUITE:-}" ]; then
     # -v: one line per finished test, so a run cut short still says what failed

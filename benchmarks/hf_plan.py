@@ -3,7 +3,7 @@ memory, FLOP costs. The partitioner at the scale it is meant for.
 
 Run from the repository root (transformers is in the ``test`` extra)::
 
-    python benchmarks/hf_plan.py [--out PATH] [--models llama-7b gpt2-xl] [--stages 4 8]
+    python -m benchmarks.hf_plan [--out PATH] [--models llama-7b gpt2-xl] [--stages 4 8]
 
 For each model (a batch of 8 sequences of 1,024 tokens, ``use_cache=False``) and K: the
 fxpipe bottleneck over LB0 = max(total / K, heaviest unit) at slack 0 (the default), 1%
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,11 +24,11 @@ from typing import Any
 
 import torch
 import transformers
-from common import save_json
-from partition import format_table, min_max_only, traffic
-from torch import nn
 
 import fxpipe
+from benchmarks.harness.models.giants import GIANTS
+from benchmarks.harness.output import command_line, format_table, result_path, save_json
+from benchmarks.harness.splits import min_max_only, traffic
 from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.nx_graph import to_networkx
 from fxpipe.passes.partition import partition_graph
@@ -42,31 +40,8 @@ SLACKS = (0.0, 0.01, 0.05)
 GIB = 2.0**30
 
 
-def _llama_7b() -> nn.Module:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
-        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-        max_position_embeddings=4096, use_cache=False,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _gpt2_xl() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024,
-        use_cache=False,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config)
-
-
-MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
-    "llama-7b": (_llama_7b, 32000),
-    "gpt2-xl": (_gpt2_xl, 50257),
-}
-
-
 def rows_for(name: str, stages: Sequence[int]) -> list[dict[str, Any]]:
-    build, vocab = MODELS[name]
+    build, vocab = GIANTS[name]
     with torch.device("meta"):
         model = build()
     ids = torch.randint(0, vocab, (BATCH, TOKENS), device="meta")
@@ -132,15 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent / "results" / "hf_plan.json",
+        default=result_path("hf_plan"),
         help="where to write the JSON rows (default: benchmarks/results/hf_plan.json)",
     )
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(GIANTS), choices=list(GIANTS))
     parser.add_argument("--stages", type=int, nargs="*", default=[4, 8])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
-    command = shlex.join(["python", *sys.argv])
+    command = command_line()
     print(
         f"command: {command}\ntorch {torch.__version__}, transformers "
         f"{transformers.__version__}, python {platform.python_version()}",

@@ -3,14 +3,14 @@ at several world sizes, on ``meta`` (no weights, no memory, FLOP costs).
 
 Run from the repository root (transformers is in the ``test`` extra)::
 
-    python benchmarks/layout.py [--out PATH] [--worlds 8 64 128 512] [--batch 512]
+    python -m benchmarks.layout [--out PATH] [--worlds 8 64 128 512] [--batch 512]
                                 [--tokens 2048] [--budget 80GiB] [--slack 0.01] [--top 8]
                                 [--compare 64] [--data-parallel ddp fsdp]
 
 The global batch defaults to 512 sequences of 2,048 tokens, the batch and sequence length
 of the 7.5B GPT in Narayanan et al. 2021's Table 1 (h = 4096 like Llama-7B's; 36 layers
 against 32), so that the layouts can be set beside the one that paper ran for it. The model
-is float32 as ``hf_plan.py`` builds it (16 bytes of weights, gradients and Adam state per
+is float32 as ``benchmarks.hf_plan`` builds it (16 bytes of weights, gradients and Adam state per
 parameter, as mixed precision with Adam takes too; activations twice bf16's). Each world
 size gets one ``suggest_layout`` call (trace and pricing included) at ``--slack``; those in
 ``--compare`` one more at slack 0, fxpipe's default, whose best layout is printed too.
@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -33,10 +31,10 @@ from typing import Any
 
 import torch
 import transformers
-from common import save_json
-from hf_plan import _llama_7b
 
 import fxpipe.distributed as fd
+from benchmarks.harness.models.giants import llama_7b
+from benchmarks.harness.output import command_line, result_path, save_json
 from fxpipe.distributed.layout import (
     DEFAULT_DEVICE_FLOPS,
     DEFAULT_DP_BANDWIDTH,
@@ -104,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent / "results" / "layout.json",
+        default=result_path("layout"),
         help="where to write the JSON rows (default: benchmarks/results/layout.json)",
     )
     parser.add_argument("--worlds", type=int, nargs="*", default=[8, 64, 128, 512])
@@ -122,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
-    command = shlex.join(["python", *sys.argv])
+    command = command_line()
     print(
         f"command: {command}\ntorch {torch.__version__}, transformers "
         f"{transformers.__version__}, python {platform.python_version()}, "
@@ -130,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     with torch.device("meta"):
-        model = _llama_7b()
+        model = llama_7b()
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, VOCAB, (args.batch, args.tokens), device="meta")
     print(

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/loading.py [--out PATH] [--tmp DIR] [--width N] [--depth N]
+    python -m benchmarks.loading [--out PATH] [--tmp DIR] [--width N] [--depth N]
 
 About 3 minutes on 2 cores; needs ~3 GB of free disk under ``--tmp`` (default: the system's
 temporary directory; removed at the end) and ~3 GB of memory. CPU only.
@@ -48,14 +48,8 @@ import gc
 import json
 import os
 import platform
-import re
-import resource
-import shlex
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,9 +58,11 @@ import torch
 from torch import nn
 
 import fxpipe
+from benchmarks.harness.memory import RssSampler, maxrss_kib, reset_peak, status_kib
+from benchmarks.harness.output import command_line, result_path, save_json
+from benchmarks.harness.processes import run_json
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "loading.json"
+DEFAULT_OUT = result_path("loading")
 STAGES = 4
 SHARDS = 4
 TARGET = 1.25
@@ -153,53 +149,6 @@ def _has_safetensors() -> bool:
 # ---------------------------------------------------------------------------- measuring
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else None
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's resident high-water mark to the current size (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _maxrss_kib() -> int:
-    scale = 1 if sys.platform != "darwin" else 1024  # bytes on macOS
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // scale
-
-
-class RssSampler:
-    """Polls the resident size every ``period`` seconds in a thread; keeps the largest."""
-
-    def __init__(self, period: float = 0.0005) -> None:
-        self.period = period
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status_kib("VmRSS") or 0)
-            time.sleep(self.period)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _load(method: str, pipe: fxpipe.Pipeline, path: Path) -> None:
     """Load the checkpoint at ``path`` the way ``method`` says; keeps nothing it read."""
     if method == "torch_load":
@@ -220,15 +169,15 @@ def child(method: str, path: Path, width: int, depth: int) -> dict[str, Any]:
     pipe = fxpipe.pipeline(model, x, ["cpu"] * STAGES, chunks=2)
     model_bytes = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     gc.collect()
-    before = _status_kib("VmRSS") or _maxrss_kib()
-    reset = _reset_peak()
+    before = status_kib("VmRSS") or maxrss_kib()
+    reset = reset_peak()
     start = time.perf_counter()
     with RssSampler() as sampler:
         _load(method, pipe, path)
         gc.collect()
     seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM") if reset else _maxrss_kib()
-    after = _status_kib("VmRSS") or _maxrss_kib()
+    peak = status_kib("VmHWM") if reset else maxrss_kib()
+    after = status_kib("VmRSS") or maxrss_kib()
     assert peak is not None
     want = layer_state(depth - 1, width)[f"layers.{depth - 1}.weight"]
     correct = torch.equal(model.layers[depth - 1].weight.detach(), want)
@@ -251,13 +200,9 @@ def child(method: str, path: Path, width: int, depth: int) -> dict[str, Any]:
 
 
 def run_child(method: str, path: str, width: int, depth: int) -> dict[str, Any]:
-    """This script with ``--child`` in a fresh process; the JSON it prints."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", method, "--path", path]
-    cmd += ["--width", str(width), "--depth", str(depth)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"child {method} failed:\n{done.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    """This benchmark with ``--child`` in a fresh process; the JSON it prints."""
+    args = ["--child", method, "--path", path, "--width", str(width), "--depth", str(depth)]
+    result: dict[str, Any] = run_json("benchmarks.loading", args, timeout=900)
     return result
 
 
@@ -316,7 +261,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.path, args.width, args.depth)))
         return
     start = time.perf_counter()
-    folder = Path(tempfile.mkdtemp(prefix="fxpipe-loading-", dir=args.tmp))
+    folder = Path(tempfile.mkdtemp(prefix="fxpipe-loading-", dir=args.tmp)).resolve()
     try:
         written = write_checkpoints(folder, args.width, args.depth)
         largest_mib = written["largest_shard"] / MIB
@@ -333,7 +278,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     print(f"\n{elapsed:.0f} s")
     record = {
-        "command": shlex.join(["python", *sys.argv]),
+        "command": command_line(),
         "torch": torch.__version__,
         "fxpipe": fxpipe.__version__,
         "python": platform.python_version(),
@@ -348,9 +293,7 @@ def main() -> None:
         "rows": rows,
         "summary": checks,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    save_json(args.out, record)
 
 
 if __name__ == "__main__":

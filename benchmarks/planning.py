@@ -2,9 +2,9 @@
 
 Run from the repository root (transformers is in the ``test`` extra)::
 
-    python benchmarks/planning.py [--out PATH] [--models resnet50 gpt2 llama-7b]
+    python -m benchmarks.planning [--out PATH] [--models resnet50 gpt2 llama-7b]
                                   [--repeats 5] [--skip-load] [--skip-prediction]
-    python benchmarks/planning.py --calibrate     # the CPU rates the roofline uses
+    python -m benchmarks.planning --calibrate     # the CPU rates the roofline uses
 
 One torch thread throughout. Three models: a ResNet-50-like CNN (bottleneck blocks
 3-4-6-3, BatchNorm, batch 16 of 64x64 images, traced by torch.fx), a GPT-2-small-like
@@ -41,7 +41,6 @@ import hashlib
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -56,9 +55,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from benchmarks.harness.machine import cpu_model, load_average
+from benchmarks.harness.models.giants import GIANTS
+from benchmarks.harness.output import command_line, format_table, result_path, save_json
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "planning.json"
+DEFAULT_OUT = result_path("planning")
 MODES = ("auto", "flops", "params", "time")
 STAGES = 4
 #: Targets of the issue this benchmark answers.
@@ -149,9 +150,7 @@ def _gpt2_small() -> tuple[nn.Module, torch.Tensor]:
 
 
 def _llama_7b() -> tuple[nn.Module, torch.Tensor]:
-    from hf_plan import MODELS as HF
-
-    build, vocab = HF["llama-7b"]
+    build, vocab = GIANTS["llama-7b"]
     with torch.device("meta"):
         model = build()
     return model, torch.randint(0, vocab, (8, 1024), device="meta")
@@ -432,15 +431,6 @@ def _plans(row: dict[str, Any]) -> str:
     return f"{row['distinct']} of {row['builds']}"
 
 
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """One line per (model, mode), columns aligned."""
-    cells = [[name for name, _ in COLUMNS]] + [[f(r) for _, f in COLUMNS] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(line, widths))).rstrip() for line in cells]  # fmt: skip
-    return "\n".join(lines)
-
-
 def merge(*sections: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows of the sections joined on (model, mode), in first-seen order."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
@@ -478,18 +468,10 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _machine() -> dict[str, Any]:
-    model = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": model,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average": load_average(),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -511,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibrate()
         return 0
     started = time.perf_counter()
-    command = shlex.join(["python", *sys.argv])
+    command = command_line()
     machine = _machine()
     print(f"command: {command}\n{json.dumps(machine)}", flush=True)
     builds = [r for name in args.models for r in build_rows(name)]
@@ -523,11 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]  # fmt: skip
     rows = merge(builds, loads, predictions)
     print()
-    print(format_table(rows))
+    print(format_table(rows, COLUMNS, left=2, rule=False))
     print()
     print("\n".join(summary(rows)))
-    machine["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    machine["load_average_end"] = load_average()
     record = {
         "command": command,
         "machine": machine,
@@ -535,9 +516,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "summary": summary(rows),
     }
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"\nwrote {args.out} ({time.perf_counter() - started:.0f} s)")
-    return 0
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    return save_json(args.out, record, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/runtime.py [--out PATH] [--repeats N] [--skip-memory]
+    python -m benchmarks.runtime [--out PATH] [--repeats N] [--skip-memory]
 
 Everything runs on CPU with ``torch.set_num_threads(1)``; about 1.5 minutes on 2 cores.
 
@@ -51,27 +51,24 @@ import gc
 import json
 import os
 import platform
-import re
-import resource
-import shlex
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import chunked_step, loss_of, plain_step, residual_mlp
 from torch import nn
 
 import fxpipe
+from benchmarks.harness.machine import usable_cores
+from benchmarks.harness.memory import RssSampler, maxrss_kib, reset_peak, status_kib
+from benchmarks.harness.mlp import chunked_step, loss_of, plain_step, residual_mlp
+from benchmarks.harness.output import command_line, result_path, save_json
+from benchmarks.harness.processes import run_json
 from fxpipe.passes.plan import PARAM_COPIES
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "runtime.json"
+DEFAULT_OUT = result_path("runtime")
 
 # Targets.
 OVERHEAD_K1 = 1.03
@@ -229,53 +226,6 @@ def fixed_costs(repeats: int, label: str = "1c tiny model") -> list[dict[str, An
 # ---------------------------------------------------------------------------- memory
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+)\s+kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else None
-
-
-def _reset_peak() -> bool:
-    """Reset the kernel's resident high-water mark to the current size (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _maxrss_kib() -> int:
-    scale = 1 if sys.platform != "darwin" else 1024  # bytes on macOS
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // scale
-
-
-class RssSampler:
-    """Polls the resident size every ``period`` seconds in a thread; keeps the largest."""
-
-    def __init__(self, period: float = 0.0005) -> None:
-        self.period = period
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _status_kib("VmRSS") or 0)
-            time.sleep(self.period)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def memory_child(mode: str) -> dict[str, Any]:
     """One process, one mode: build the model and measure two training steps."""
     torch.set_num_threads(1)
@@ -294,33 +244,27 @@ def memory_child(mode: str) -> dict[str, Any]:
     for step in range(2):
         model.zero_grad(set_to_none=step == 0)
         gc.collect()
-        base = _status_kib("VmRSS") or _maxrss_kib()
-        reset = _reset_peak()
-        maxrss_before = _maxrss_kib()
+        base = status_kib("VmRSS") or maxrss_kib()
+        reset = reset_peak()
+        maxrss_before = maxrss_kib()
         with RssSampler() as sampler:
             loss_of(run(x), x.numel()).backward()
-        hwm = _status_kib("VmHWM") if reset else None
+        hwm = status_kib("VmHWM") if reset else None
         steps.append(
             {
                 "base_mib": base / 1024,
-                "peak_mib": ((hwm if hwm is not None else _maxrss_kib()) - base) / 1024,
+                "peak_mib": ((hwm if hwm is not None else maxrss_kib()) - base) / 1024,
                 "method": "VmHWM after reset" if reset else "ru_maxrss",
                 "sampled_mib": (sampler.peak - base) / 1024,
-                "maxrss_grew_mib": (_maxrss_kib() - maxrss_before) / 1024,
+                "maxrss_grew_mib": (maxrss_kib() - maxrss_before) / 1024,
             }
         )
     return {"mode": mode, "steps": steps, "plan_activation_bytes": plan_bytes}
 
 
 def run_child(flag: str, value: str, env: dict[str, str]) -> Any:
-    """Run this script with ``flag value`` in a fresh process; return the JSON it prints."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), flag, value]
-    done = subprocess.run(
-        cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{flag} {value} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run this benchmark with ``flag value`` in a fresh process; return the JSON it prints."""
+    return run_json("benchmarks.runtime", [flag, value], env)
 
 
 def run_memory_child(mode: str) -> dict[str, Any]:
@@ -546,21 +490,19 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     print(f"\n{elapsed:.0f} s")
     record = {
-        "command": shlex.join(["python", *sys.argv]),
+        "command": command_line(),
         "torch": torch.__version__,
         "fxpipe": fxpipe.__version__,
         "python": platform.python_version(),
         "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cores_usable": usable_cores(),
         "torch_threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "seconds": elapsed,
         "rows": rows,
         "summary": checks,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    save_json(args.out, record)
 
 
 if __name__ == "__main__":

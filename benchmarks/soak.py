@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/soak.py [--steps 1000] [--every 50] [--out PATH]
+    python -m benchmarks.soak [--steps 1000] [--every 50] [--out PATH]
 
 A residual MLP on K=4 CPU stages, chunks=4, checkpoint="except_last", AdamW; every step is
 forward, backward, optimizer step and ``zero_grad``. After every step the script reads the
@@ -19,11 +19,8 @@ The table and every sample go to ``benchmarks/results/soak.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,8 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+from benchmarks.harness.memory import os_threads, rss_bytes
+from benchmarks.harness.output import command_line, result_path, save_json
 
-RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
+RESULTS = result_path("soak")
 WINDOW = 100
 
 
@@ -66,29 +65,6 @@ class SoakNet(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h + h0)
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process (Linux ``/proc``; peak RSS elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        import resource
-
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def os_threads() -> int:
-    """Threads of this process as the OS counts them (-1 where ``/proc`` is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Threads:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
 
 
 def soak(steps: int, every: int, stages: int, chunks: int) -> dict[str, Any]:
@@ -131,7 +107,7 @@ def soak(steps: int, every: int, stages: int, chunks: int) -> dict[str, Any]:
             "chunks": chunks,
             "checkpoint": pipe.checkpoint,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "command": shlex.join(["python", *sys.argv]),
+            "command": command_line(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
@@ -180,9 +156,7 @@ def main() -> None:
         low, high = span[key]
         print(f"  {key:<10} {drift[key]:+9.2f}{unit}   (range over the run: {low:g} .. {high:g})")
     print(f"{result['settings']['steps']} steps in {result['seconds']:.1f} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    save_json(args.out, result, indent=1)
 
 
 if __name__ == "__main__":

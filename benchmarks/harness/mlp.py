@@ -1,26 +1,13 @@
-"""What the benchmarks share: the residual MLP the runtime and GPU ones time, its training
-steps, writing a result file, and a free port for the multi-process ones."""
+"""The residual MLP the runtime and GPU benchmarks time, and its training steps."""
 
 from __future__ import annotations
 
-import json
-import socket
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = [
-    "Block",
-    "residual_mlp",
-    "loss_of",
-    "plain_step",
-    "chunked_step",
-    "save_json",
-    "free_port",
-]
+__all__ = ["Block", "residual_mlp", "loss_of", "plain_step", "chunked_step"]
 
 
 class Block(nn.Module):
@@ -64,18 +51,3 @@ def chunked_step(model: nn.Module, x: torch.Tensor, chunks: int) -> Callable[[],
             loss_of(model(xi), x.numel()).backward()
 
     return step
-
-
-def save_json(path: Path, payload: dict[str, Any]) -> int:
-    """Write ``payload`` to ``path`` (indented JSON), say so, and return 0 (success)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")
-    return 0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free now, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -1,0 +1,1 @@
+"""fxpipe's benchmarks: each runs from the repository root as ``python -m benchmarks.NAME``."""

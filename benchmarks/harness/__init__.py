@@ -1,0 +1,1 @@
+"""What the benchmarks share: output, memory readings, processes, oracles, model registries."""

@@ -1,0 +1,42 @@
+"""What a result records about the machine and the libraries it ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+__all__ = ["cpu_model", "load_average", "library_versions", "usable_cores"]
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux ``/proc/cpuinfo``; ``platform.processor()`` else)."""
+    model = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return model
+
+
+def load_average() -> tuple[float, float, float] | None:
+    """The 1, 5 and 15 minute load averages, where the system has them."""
+    return os.getloadavg() if hasattr(os, "getloadavg") else None
+
+
+def usable_cores() -> int | None:
+    """Cores this process may run on (its affinity), where the system says."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def library_versions(names: tuple[str, ...]) -> dict[str, str | None]:
+    """The version of each library in ``names`` (None: not installed)."""
+    versions: dict[str, str | None] = {}
+    for lib in names:
+        try:
+            versions[lib] = __import__(lib).__version__
+        except ImportError:
+            versions[lib] = None
+    return versions
