@@ -17,7 +17,7 @@ A weight read by several nodes (a tied embedding) has its gradients added where 
 Nothing is measured while planning: the constants (:data:`ROOFLINES`) are the same on every
 machine and under every load, so the same model, example, devices and micro-batch count
 give the same costs, bit for bit, on every run and every rank. The CPU constants come from
-single-op measurements on one core of a shared x86 server (``python benchmarks/planning.py
+single-op measurements on one core of a shared x86 server (``python -m benchmarks.planning
 --calibrate``), checked against stage times ``fxpipe.record`` measures on whole models; the
 CUDA ones are nominal figures for a current data-centre GPU (float32 products, TF32
 convolutions, 16-bit floats ``low_precision`` times faster). Only the ratios between nodes
