@@ -24,9 +24,9 @@ from fxpipe.errors import (
     MemoryEstimateWarning,
     PlanError,
 )
-from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.ir import CHECKPOINT_MODES, CheckpointMode, PipelinePlan, StageProgram, ValueRef
 from fxpipe.materialise import Materialised
-from fxpipe.options import RunOptions
+from fxpipe.options import RunOptions, check_choice
 from fxpipe.passes.plan import stage_span, training_overflow
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.executor import Executor
@@ -64,7 +64,6 @@ class Pipeline(nn.Module):
         self.plan = plan
         self.devices = tuple(plan.devices)
         self.chunks = chunks
-        self.checkpoint = run.checkpoint
         self.output_device = run.output_device
         self._traced = traced
         self._program = program
@@ -97,6 +96,17 @@ class Pipeline(nn.Module):
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:
         """The stage GraphModules, in pipeline order (``stages[j]`` runs on ``devices[j]``)."""
         return self._program.modules
+
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """Which micro-batches each stage recomputes in backward (``"always"``,
+        ``"except_last"`` or ``"never"``); settable, it applies from the next call."""
+        return self._executor.checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, mode: CheckpointMode) -> None:
+        check_choice("checkpoint", mode, CHECKPOINT_MODES)
+        self._executor.checkpoint = mode
 
     @property
     def use_threads(self) -> bool:
