@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.devices import same_device
+from fxpipe.drop_in import DropIn
 from fxpipe.errors import (
     ConfigError,
-    DeviceError,
     InputError,
     MemoryEstimateWarning,
     PlanError,
@@ -38,7 +38,7 @@ from fxpipe.trace.tracing import Traced
 __all__ = ["Pipeline"]
 
 
-class Pipeline(nn.Module):
+class Pipeline(DropIn):
     """A model split into stages over devices, run as a GPipe pipeline of micro-batches.
 
     Made by :func:`fxpipe.pipeline`. ``pipe(*args, **kwargs)`` returns what the model
@@ -91,6 +91,7 @@ class Pipeline(nn.Module):
             if plan.training
             else training_overflow(plan, chunks=chunks, checkpoint=run.checkpoint)
         )
+        self._stand_in_for(model)  # forward's signature, to(), config...: fxpipe.drop_in
 
     @property
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:
@@ -207,31 +208,6 @@ class Pipeline(nn.Module):
                 "use assign=False"
             )
         return self._materialised.load_state_dict(self.module, state_dict, strict)
-
-    def to(self, *args: Any, **kwargs: Any) -> Pipeline:
-        """Change the dtype of the parameters and buffers in place (``pipe.to(torch.bfloat16)``);
-        a device is refused (``DeviceError``): stages stay on the devices they were built for."""
-        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
-            raise DeviceError(
-                f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
-                f"it cannot move to {device}: build a new pipeline with other devices"
-            )
-        return super().to(*args, **kwargs)
-
-    def cuda(self, device: Any = None) -> Pipeline:
-        """Refused (``DeviceError``): stages stay on the devices they were built for."""
-        raise DeviceError(
-            f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
-            "cuda() is not allowed: build a new pipeline with other devices"
-        )
-
-    def cpu(self) -> Pipeline:
-        """Refused (``DeviceError``): stages stay on the devices they were built for."""
-        raise DeviceError(
-            f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
-            "cpu() is not allowed: build a new pipeline with other devices"
-        )
 
     def extra_repr(self) -> str:
         """What ``repr(pipe)`` shows beside the model: stages, devices, chunks, checkpoint."""
