@@ -17,17 +17,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.devices import same_device
+from fxpipe.drop_in import DropIn
 from fxpipe.errors import (
     ChunksWarning,
     ConfigError,
-    DeviceError,
     InputError,
     MemoryEstimateWarning,
     PlanError,
 )
-from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.ir import CHECKPOINT_MODES, CheckpointMode, PipelinePlan, StageProgram, ValueRef
 from fxpipe.materialise import Materialised
-from fxpipe.options import RunOptions
+from fxpipe.options import RunOptions, check_choice
 from fxpipe.passes.plan import stage_span, training_overflow
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.executor import Executor
@@ -40,7 +40,7 @@ from fxpipe.variants import Follow, Variant, Variants, check_placement, modes_of
 __all__ = ["Pipeline"]
 
 
-class Pipeline(nn.Module):
+class Pipeline(DropIn):
     """A model split into stages over devices, run as a GPipe pipeline of micro-batches.
 
     Made by :func:`fxpipe.pipeline`. ``pipe(*args, **kwargs)`` returns what the model
@@ -66,7 +66,6 @@ class Pipeline(nn.Module):
         self.plan = plan
         self.devices = tuple(plan.devices)
         self.chunks = chunks
-        self.checkpoint = run.checkpoint
         self.output_device = run.output_device
         self._run_options = run
         self._recorder: RunRecorder = NO_RECORDER
@@ -84,6 +83,7 @@ class Pipeline(nn.Module):
             if plan.training
             else training_overflow(plan, chunks=chunks, checkpoint=run.checkpoint)
         )
+        self._stand_in_for(model)  # forward's signature, to(), config...: fxpipe.drop_in
 
     def _variant(
         self,
@@ -139,6 +139,17 @@ class Pipeline(nn.Module):
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:
         """The stage GraphModules, in pipeline order (``stages[j]`` runs on ``devices[j]``)."""
         return self._program.modules
+
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """Which micro-batches each stage recomputes in backward (``"always"``,
+        ``"except_last"`` or ``"never"``); settable, it applies from the next call."""
+        return self._executor.checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, mode: CheckpointMode) -> None:
+        check_choice("checkpoint", mode, CHECKPOINT_MODES)
+        self._executor.checkpoint = mode
 
     @property
     def use_threads(self) -> bool:
@@ -276,31 +287,6 @@ class Pipeline(nn.Module):
                 "use assign=False"
             )
         return self._materialised.load_state_dict(self.module, state_dict, strict)
-
-    def to(self, *args: Any, **kwargs: Any) -> Pipeline:
-        """Change the dtype of the parameters and buffers in place (``pipe.to(torch.bfloat16)``);
-        a device is refused (``DeviceError``): stages stay on the devices they were built for."""
-        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
-            raise DeviceError(
-                f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
-                f"it cannot move to {device}: build a new pipeline with other devices"
-            )
-        return super().to(*args, **kwargs)
-
-    def cuda(self, device: Any = None) -> Pipeline:
-        """Refused (``DeviceError``): stages stay on the devices they were built for."""
-        raise DeviceError(
-            f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
-            "cuda() is not allowed: build a new pipeline with other devices"
-        )
-
-    def cpu(self) -> Pipeline:
-        """Refused (``DeviceError``): stages stay on the devices they were built for."""
-        raise DeviceError(
-            f"a pipeline's stages stay on their devices {list(map(str, self.devices))}; "
-            "cpu() is not allowed: build a new pipeline with other devices"
-        )
 
     def extra_repr(self) -> str:
         """What ``repr(pipe)`` shows beside the model: stages, devices, chunks, checkpoint."""

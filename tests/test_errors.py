@@ -514,16 +514,18 @@ CATALOGUE: dict[str, Bad] = {
         net, _after_build(_add_module), ConfigError, "changed after pipeline"
     ),
     "pipe.to('cuda')": Bad(
-        net, _after_build(lambda m, p: p.to("cuda")), DeviceError, "cannot move to cuda"
+        net, _after_build(lambda m, p: p.to("cuda")), DeviceError, "cannot move it to cuda"
     ),
     "pipe.to(device=cuda:1)": Bad(
         net,
         _after_build(lambda m, p: p.to(device=torch.device("cuda", 1))),
         DeviceError,
-        "cannot move to cuda:1",
+        "cannot move it to cuda:1",
     ),
     "pipe.cuda()": Bad(net, _after_build(lambda m, p: p.cuda()), DeviceError, r"cuda\(\)"),
-    "pipe.cpu()": Bad(net, _after_build(lambda m, p: p.cpu()), DeviceError, r"cpu\(\)"),
+    "pipe.to('meta')": Bad(
+        net, _after_build(lambda m, p: p.to("meta")), DeviceError, "cannot move it to meta"
+    ),
     "load_state_dict with assign=True": Bad(
         net,
         _after_build(lambda m, p: p.load_state_dict(net().state_dict(), assign=True)),

@@ -260,8 +260,9 @@ def test_output_device_and_moves() -> None:
     x = torch.randn(4, 8)
     pipe = fxpipe.pipeline(model, x, ["cpu", "cpu"], output_device="cpu", cost="flops")
     assert pipe(x).device == torch.device("cpu")
+    assert pipe.to("cpu") is pipe  # where the stages are: nothing moves
     with pytest.raises(DeviceError):
-        pipe.to("cpu")
+        pipe.to("meta")
     assert pipe.to(torch.float64) is pipe
     assert next(model.parameters()).dtype == torch.float64
 
