@@ -103,6 +103,17 @@ class DropIn(nn.Module):
                 f"its model ({type(model).__name__})"
             ) from None
 
+    def _get_name(self) -> str:
+        """The model's class name: ``Trainer`` decides from it whether the labels of a
+        causal language model are shifted (its label smoother). ``repr(pipe)`` still says
+        ``Pipeline``."""
+        model = self.__dict__.get("_modules", {}).get("module")
+        return model._get_name() if model is not None else "Pipeline"
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        return "Pipeline" + text[len(self._get_name()) :]
+
     @property
     def hf_device_map(self) -> dict[str, str]:
         """Where the model's parameters and buffers are, as Accelerate writes a device map:

@@ -67,6 +67,7 @@ class Pipeline(DropIn):
         self.devices = tuple(plan.devices)
         self.chunks = chunks
         self.output_device = run.output_device
+        self._checkpoint: CheckpointMode = run.checkpoint
         self._run_options = run
         self._recorder: RunRecorder = NO_RECORDER
         self._use_threads: bool | None = None
@@ -144,12 +145,14 @@ class Pipeline(DropIn):
     def checkpoint(self) -> CheckpointMode:
         """Which micro-batches each stage recomputes in backward (``"always"``,
         ``"except_last"`` or ``"never"``); settable, it applies from the next call."""
-        return self._executor.checkpoint
+        return self._checkpoint
 
     @checkpoint.setter
     def checkpoint(self, mode: CheckpointMode) -> None:
         check_choice("checkpoint", mode, CHECKPOINT_MODES)
-        self._executor.checkpoint = mode
+        self._checkpoint = mode
+        for variant in self._variants.all:
+            variant.executor.checkpoint = mode
 
     @property
     def use_threads(self) -> bool:
@@ -271,8 +274,18 @@ class Pipeline(DropIn):
         return self
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's own state dict (same keys as ``model.state_dict()``)."""
-        return self.module.state_dict(*args, **kwargs)
+        """The model's own state dict (same keys as ``model.state_dict()``, the same values).
+
+        A tensor the model holds under several names (an embedding tied to the LM head)
+        is the model's own under the first and a copy under the others, as a file holds
+        it: ``safetensors`` refuses a dict whose entries share memory, and trainers that
+        take any ``nn.Module`` (``transformers.Trainer``) save this dict with it. With
+        ``keep_vars=True`` every entry is the model's own tensor."""
+        state = self.module.state_dict(*args, **kwargs)
+        if kwargs.get("keep_vars") or (len(args) > 2 and args[2]):
+            return state
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        return _unshared(state, str(prefix))
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -303,6 +316,26 @@ class Pipeline(DropIn):
                 "parameter or buffer was replaced, added or removed); call fxpipe.pipeline() "
                 "again on the model, or change values in place (param.data.copy_(...))"
             )
+
+
+def _unshared(state: Any, prefix: str) -> Any:
+    """``state`` with the entries under ``prefix`` whose memory an earlier entry holds
+    replaced by copies (in place; ``state`` is returned)."""
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    for key in [k for k in state if str(k).startswith(prefix)]:
+        value = state[key]
+        if not isinstance(value, torch.Tensor) or value.is_meta or value.numel() == 0:
+            continue
+        where = (
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            tuple(value.stride()),
+        )
+        if where in seen:
+            state[key] = value.clone()
+        seen.add(where)
+    return state
 
 
 def _stage_label(plan: PipelinePlan, j: int) -> str:

@@ -9,6 +9,7 @@ and the labels, or the model's own output); each trainer test runs over ``CASES`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import pickle
 from collections.abc import Callable, Iterator
@@ -78,20 +79,65 @@ def _tagger_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.flatten(0, 1), labels.flatten())
 
 
+VOCAB, LONGEST = 61, 14
+
+
+def _gpt2(dropout: float = 0.0) -> nn.Module:
+    """A 2-layer GPT-2 from a config, no dropout (its random masks differ run to run), in
+    float64: the attention's key bias gets a gradient that is zero in exact arithmetic, and
+    AdamW scales float32's rounding noise there up to a visible step."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32, use_cache=False,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).double()
+
+
+def _text_rows(n: int, seed: int) -> Batch:
+    """Token sequences of 5 to 14 tokens, right-padded to 14: ``input_ids`` (0 after the
+    end), ``attention_mask`` and ``labels`` (-100 after the end: not counted in the loss)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, LONGEST + 1, (n,), generator=g)
+    ids = torch.randint(1, VOCAB, (n, LONGEST), generator=g)
+    mask = (torch.arange(LONGEST)[None, :] < lengths[:, None]).long()
+    return {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "labels": torch.where(mask.bool(), ids, -100),
+    }
+
+
+def _padded_to_longest(rows: list[Batch]) -> Batch:
+    """A data collator that pads each batch to its own longest sequence (here: cuts the
+    padding every row of the batch has), so batches come in different lengths."""
+    batch = torch.utils.data.default_collate(rows)
+    length = int(batch["attention_mask"].sum(1).max())
+    return {k: v[:, :length] for k, v in batch.items()}
+
+
 @dataclass(frozen=True)
 class Case:
     """A model trained from dict batches: ``rows(n, seed)`` gives ``n`` rows of every column
     (the model's inputs and ``labels``); ``loss(outputs, labels)`` is the loss, or None where
-    the model takes ``labels`` and returns its loss (``outputs["loss"]``)."""
+    the model takes ``labels`` and returns its loss (``outputs["loss"]``); ``collate`` makes
+    a batch of rows (None: stacked as they are)."""
 
     name: str
     build: Callable[[], nn.Module]  # the same weights on every call
     rows: Callable[[int, int], Batch]
     loss: Callable[[Any, torch.Tensor], torch.Tensor] | None
     pipeline_kwargs: tuple[tuple[str, Any], ...] = ()
+    collate: Callable[[list[Batch]], Batch] | None = None
 
 
-CASES = [Case("tagger", _tagger, _tagger_rows, _tagger_loss)]
+CASES = [
+    Case("tagger", _tagger, _tagger_rows, _tagger_loss),
+    # A loss inside the model from labels=, batches padded to their own longest sequence,
+    # and (with Trainer) num_items_in_batch: the loss is summed over the batch's tokens.
+    Case("gpt2", _gpt2, _text_rows, None, collate=_padded_to_longest),
+]
 
 
 def _inputs(case: Case, batch: Batch) -> Batch:
@@ -105,7 +151,7 @@ def _loss(case: Case, model: nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def _pipeline(case: Case, model: nn.Module) -> fxpipe.Pipeline:
-    example = _inputs(case, case.rows(ROWS, seed=99))
+    example = _inputs(case, (case.collate or _stacked)(_items(case.rows(ROWS, seed=99))))
     return fxpipe.pipeline(
         model, (), DEVICES, chunks=2, example_kwargs=example, **dict(case.pipeline_kwargs)
     )
@@ -126,8 +172,16 @@ class Rows(Dataset[Batch]):
         return {k: v[i] for k, v in self.columns.items()}
 
 
+def _items(columns: Batch) -> list[Batch]:
+    return [{k: v[i] for k, v in columns.items()} for i in range(len(next(iter(columns.values()))))]
+
+
+def _stacked(rows: list[Batch]) -> Batch:
+    return torch.utils.data.default_collate(rows)  # type: ignore[no-any-return]
+
+
 def _loader(case: Case) -> DataLoader[Batch]:
-    return DataLoader(Rows(case), batch_size=ROWS, shuffle=False)
+    return DataLoader(Rows(case), batch_size=ROWS, shuffle=False, collate_fn=case.collate)
 
 
 def _assert_same_run(
@@ -197,6 +251,7 @@ def _hf_trainer(
         args=transformers.TrainingArguments(**{**settings, **args}),
         train_dataset=Rows(case) if dataset is None else dataset,
         compute_loss_func=None if case.loss is None else loss_func,
+        data_collator=case.collate or transformers.default_data_collator,
     )
     return trainer, losses
 
@@ -293,6 +348,36 @@ def test_transformers_trainer_trains_pipeline_like_model(case: Case, tmp_path: P
     assert abs(evaluated - oracle.evaluate(Rows(case))["eval_loss"]) < TOLERANCE * evaluated
 
 
+def test_trainer_evaluates_a_model_with_dropout_in_eval_mode(tmp_path: Path) -> None:
+    """GPT-2 with its default dropout: Trainer's evaluation (eval mode, no grad) gives the
+    eager model's loss, every time; training steps draw dropout masks (the losses of two
+    identical steps differ), as eager's do."""
+    case = dataclasses.replace(CASES[1], build=lambda: _gpt2(dropout=0.1))
+    pipe, eager = _twins(case)
+    trainer, _ = _hf_trainer(case, pipe, tmp_path / "pipe")
+    oracle, _ = _hf_trainer(case, eager, tmp_path / "eager")
+    want = oracle.evaluate(Rows(case))["eval_loss"]
+    for _ in range(2):
+        assert abs(trainer.evaluate(Rows(case))["eval_loss"] - want) < TOLERANCE * want
+    pipe.train()
+    batch = _padded_to_longest(_items(case.rows(ROWS, seed=5)))
+    first, second = (pipe(**batch).loss.item() for _ in range(2))
+    assert first != second
+
+
+def test_trainer_label_smoothing_shifts_a_causal_lms_labels(tmp_path: Path) -> None:
+    """Trainer's label smoother shifts the labels of causal language models, which it tells
+    by the model's class name: a pipeline of GPT-2 gets them shifted as GPT-2 does."""
+    case = CASES[1]
+    pipe, eager = _twins(case)
+    trainer, got = _hf_trainer(case, pipe, tmp_path / "pipe", label_smoothing_factor=0.1)
+    oracle, want = _hf_trainer(case, eager, tmp_path / "eager", label_smoothing_factor=0.1)
+    trainer.train()
+    oracle.train()
+    _assert_same_run(case, got, want, pipe.module, eager)
+    assert repr(pipe).startswith("Pipeline(")
+
+
 @case_names
 def test_accelerate_trains_pipeline_like_model(case: Case) -> None:
     pipe, eager = _twins(case)
@@ -338,7 +423,9 @@ def test_trainer_keeps_the_columns_forward_names(case: Case, tmp_path: Path) -> 
     oracle, _ = _hf_trainer(case, eager, tmp_path / "eager", extra, remove_unused_columns=True)
     got = next(iter(trainer.get_train_dataloader())).keys()
     want = next(iter(oracle.get_train_dataloader())).keys()
-    assert set(got) == set(want) == {*inspect.signature(eager.forward).parameters, "labels"}
+    named = {*inspect.signature(eager.forward).parameters, "labels"}
+    assert set(got) == set(want) == named & set(extra.columns)
+    assert "row_id" not in got
 
 
 @case_names
