@@ -139,9 +139,7 @@ class Variants:
         self.all.append(made)
         return made
 
-    def _refuse(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], failure: Exception
-    ) -> None:
+    def _refuse(self, args: Sequence[Any], kwargs: Mapping[str, Any], failure: Exception) -> None:
         """The first trace's InputError for a call whose structure it was not traced for,
         which tracing the model for this call failed on too (a tuple where a tensor was
         passed, say): the mismatch is the likelier mistake, the failure its cause."""

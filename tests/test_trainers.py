@@ -173,7 +173,8 @@ class Rows(Dataset[Batch]):
 
 
 def _items(columns: Batch) -> list[Batch]:
-    return [{k: v[i] for k, v in columns.items()} for i in range(len(next(iter(columns.values()))))]
+    rows = len(next(iter(columns.values())))
+    return [{k: v[i] for k, v in columns.items()} for i in range(rows)]
 
 
 def _stacked(rows: list[Batch]) -> Batch:
