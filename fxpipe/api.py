@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from fxpipe.budgets import (
     stage_speeds,
 )
 from fxpipe.devices import device_capacity, normalize_devices
-from fxpipe.errors import ConfigError, DeviceError
+from fxpipe.errors import ChunksWarning, ConfigError, DeviceError
 from fxpipe.ir import (
     CheckpointMode,
     CostMode,
@@ -349,6 +350,14 @@ def _compile_traced(
     """Price, partition and split a traced model."""
     pricing = options.pricing()
     micro_batches = options.micro_batches(len(targets), batch)
+    if options.chunks is not None and options.chunks > batch:
+        warnings.warn(
+            f"chunks={options.chunks} is more than the example batch's {batch} samples: it "
+            f"runs as {batch} micro-batches of one sample (a micro-batch is never empty); "
+            f"the plan, its predicted bubble and pipe.chunks say {batch}",
+            ChunksWarning,
+            stacklevel=4,
+        )
     training = model.training and torch.is_grad_enabled()  # else: memory for inference
     costs, speeds = _price(model, traced, targets, pricing, micro_batches, speeds)
     with phase("partition", f"{len(targets)} stages"):

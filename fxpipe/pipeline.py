@@ -61,7 +61,7 @@ class Pipeline(DropIn):
         follow: Follow | None = None,
     ) -> None:
         super().__init__()
-        chunks = run.chunks or plan.chunks
+        chunks = plan.chunks  # what the example batch runs as: chunks, at most its size
         self.module = model
         self.plan = plan
         self.devices = tuple(plan.devices)

@@ -256,3 +256,21 @@ def test_hf_loss_refused_where_it_is_not_exact_names_the_models_output() -> None
     after = model.state_dict()
     assert list(after) == list(before)
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_hf_model_with_its_cache_on_is_refused_with_the_use_cache_remedy() -> None:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32, use_cache=True,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH))
+    with pytest.raises(
+        fxpipe.FxPipeError, match=r"remedy: the model returns a key/value cache.*use_cache=False"
+    ):
+        fxpipe.pipeline(model, ids, ["cpu"] * 2)
+    model.config.use_cache = False
+    assert (
+        relative_error(fxpipe.pipeline(model, ids, ["cpu"] * 2)(ids).logits, model(ids).logits)
+        < 1e-6
+    )

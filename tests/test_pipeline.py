@@ -20,6 +20,7 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import (
     BatchStatisticsWarning,
+    ChunksWarning,
     ConfigError,
     DeviceError,
     FxPipeError,
@@ -596,3 +597,25 @@ def test_a_parameter_two_stages_on_two_devices_hold_is_refused_before_anything_m
     with pytest.raises(PlanError, match=r"inp\.weight is held by stage 0 \(on cpu\) and stage 1"):
         _check_one_device_each(model, fake, devices)  # type: ignore[arg-type]
     _check_one_device_each(model, fake, (torch.device("cpu"),) * 2)  # one device: fine
+
+
+def test_chunks_beyond_the_batch_are_stated_as_what_runs() -> None:
+    """chunks=100 on a batch of 8: the plan, ``pipe.chunks`` and a recording say 8, with
+    a ChunksWarning at build; a smaller batch later runs fewer, said once."""
+    model = _net()
+    x = torch.randn(8, 8)
+    with pytest.warns(ChunksWarning, match=r"chunks=100 .* 8 micro-batches"):
+        pipe = fxpipe.pipeline(model, x, ["cpu"] * 2, chunks=100, cost="flops")
+    assert pipe.chunks == pipe.plan.chunks == 8
+    assert "chunks=8:" in pipe.plan.summary()
+    with fxpipe.record(pipe) as timeline:
+        pipe(x).sum().backward()
+    assert timeline.chunks == 8
+    with pytest.warns(ChunksWarning, match="a batch of 3 samples runs as 3 micro-batches"):
+        pipe(x[:3])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fxpipe.record(pipe) as timeline:
+            pipe(x[:3])  # said once per pipeline
+    assert timeline.chunks == 3
+    torch.testing.assert_close(pipe(x[:3]), model(x[:3]))

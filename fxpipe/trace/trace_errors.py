@@ -23,7 +23,27 @@ def trace_error(model: nn.Module, failures: list[tuple[str, BaseException]]) -> 
     return TraceError(
         f"could not trace {type(model).__name__}:\n"
         + "\n".join(lines)
-        + "\nremedy: remove Python control flow that depends on tensor values from forward "
+        + "\nremedy: "
+        + _remedy(failures)
+    )
+
+
+#: What a failure's text says when the model returns a key/value cache for generation.
+_CACHE_WORDS = ("Cache'>", "Cache in output", "past_key_values")
+
+
+def _remedy(failures: list[tuple[str, BaseException]]) -> str:
+    """What to change, from what the tracers said."""
+    text = " ".join(str(e) for _, e in failures)
+    if any(word in text for word in _CACHE_WORDS):
+        return (
+            "the model returns a key/value cache for generation (a Hugging Face Cache "
+            "object), which is not a batch of tensors a pipeline can join: build and call "
+            "it without one, use_cache=False (model.config.use_cache = False, or "
+            "use_cache=False in example_kwargs and in every call)"
+        )
+    return (
+        "remove Python control flow that depends on tensor values from forward "
         "(use torch.where / torch.cond), or make the failing module a leaf; try "
         "tracer='export' for control flow on shapes"
     )

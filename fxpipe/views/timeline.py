@@ -80,7 +80,8 @@ class Timeline:
     """The tasks one recording saw, with the plan they ran and the measured bubble.
 
     ``tasks`` (TaskRecords, seconds since the first task started), ``plan``, ``devices``
-    (one per stage, as text), ``chunks`` and ``checkpoint`` of the pipeline recorded.
+    (one per stage, as text), ``chunks`` (the micro-batches the recorded runs ran, which a
+    batch smaller than the pipeline's ``chunks`` makes fewer) and ``checkpoint``.
     """
 
     def __init__(self, pipe: Pipeline) -> None:
@@ -114,6 +115,8 @@ class Timeline:
         if self._recorder is not None:
             self.tasks = _records(self._recorder.close())
             self._recorder = None
+            if self.tasks:  # what the runs recorded ran as (a small batch runs fewer)
+                self.chunks = max(t.i for t in self.tasks) + 1
 
     # ------------------------------------------------------------------ measurements
 
