@@ -1209,7 +1209,7 @@ def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
     reads the first layer's weight for its dtype); elsewhere the search is skipped (and
     torch's warning that it found none)."""
     from fxpipe.api import compile_model
-    from fxpipe.distributed.build import _stage_metas
+    from fxpipe.distributed.shapes import example_shapes
     from fxpipe.options import PlanOptions
 
     case = ZOO[name]
@@ -1218,5 +1218,4 @@ def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
     options = PlanOptions(cost="flops", chunks=N_MB, traffic="relay", replicate_weights=True)
     compiled = compile_model(model, args, ["cpu"] * stages, options, example_kwargs=kwargs)
     values = compiled.traced.binder.bind(args, kwargs)
-    _, found, _ = _stage_metas(model, compiled.program, values)
-    assert found == idle
+    assert example_shapes(model, compiled.program, values).idle == idle

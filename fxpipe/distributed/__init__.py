@@ -23,6 +23,8 @@ Modules:
 
 - ``build``: :func:`pipeline_schedule`: option checks (before any communication), planning,
   activation shapes, the agreement check.
+- ``shapes``: each stage's input and output shapes for one micro-batch, from a run of the
+  stage program on fake tensors.
 - ``runner``: :class:`DistributedPipeline`: the stages, the torch schedule, gradients of
   shared parameters, state-dict shards.
 - ``split_backward``: the weight part of a zero-bubble stage's backward, computed by

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, Layout
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
+from fxpipe.distributed.shapes import Metas
 from fxpipe.distributed.split_backward import (
     disjoint_param_groups,
     stage_graph,
@@ -32,8 +33,6 @@ from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
 
 __all__ = ["DistributedPipeline"]
-
-Metas = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
 class DistributedPipeline:
