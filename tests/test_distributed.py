@@ -3,9 +3,10 @@
 Each test starts its ranks with torch.multiprocessing (from a fork server), joins every one
 of them under a hard time limit (killing the rest and failing past it), and reads what each
 rank saved.
-Losses are sum-reduced with ``scale_grads=False``, so the summed micro-batch losses and the
-gradients equal the eager model's on the whole batch (one test uses ``scale_grads=True`` and
-compares with the eager gradients divided by the number of micro-batches).
+Losses are sum-reduced with ``scale_grads=False`` (passed explicitly: the default is True, as
+in torch's schedules), so the summed micro-batch losses and the gradients equal the eager
+model's on the whole batch (one test uses ``scale_grads=True`` and compares with the eager
+gradients divided by the number of micro-batches).
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ def _bits(rank: int, world: int, *, name: str, n_mbs: tuple[int, ...]) -> dict[i
     for n_mb in n_mbs:
         pipe = fd.pipeline_schedule(
             build(), args, example_kwargs=kwargs, n_microbatches=n_mb, loss_fn=loss_fn,
+            scale_grads=False,
         )  # fmt: skip
         _step(pipe, args, kwargs, target)
         pipe.sync_tied_gradients()
@@ -332,7 +334,7 @@ def _meta_model(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
         args, target = tuple(a.chunk(dp)[replica] for a in args), target.chunk(dp)[replica]
     pipe = fd.pipeline_schedule(
         model, args, n_microbatches=N_MB, loss_fn=loss_fn, schedule="1f1b", mesh=mesh,
-        data_parallel="fsdp",
+        data_parallel="fsdp", scale_grads=False,
     )  # fmt: skip
     own = dict(pipe.named_parameters())
     placed = all(not p.is_meta for p in own.values())
@@ -737,8 +739,9 @@ def _strided_boundaries(
     for schedule, spr in schedules:
         model, x, target = _local_conv_tokens()
         pipe = fd.pipeline_schedule(
-            model, x, schedule=schedule, n_microbatches=N_MB, loss_fn=_sum_sq, stages_per_rank=spr
-        )
+            model, x, schedule=schedule, n_microbatches=N_MB, loss_fn=_sum_sq, stages_per_rank=spr,
+            scale_grads=False,
+        )  # fmt: skip
         losses = _step(pipe, (x,), {}, target)
         # a permuted layout: strides not in decreasing order
         received = [s for j, layouts in enumerate(pipe._layouts or ()) if j > 0 for s in layouts]

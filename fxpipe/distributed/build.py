@@ -65,7 +65,7 @@ def pipeline_schedule(
     num_stages: int | None = None,
     cost: CostMode | Callable[[fx.Node], float] = "flops",
     tracer: TracerName = "auto",
-    scale_grads: bool = False,
+    scale_grads: bool = True,
     slack: float = 0.0,
     mesh: Any = None,
     data_parallel: str = "ddp",
@@ -76,10 +76,14 @@ def pipeline_schedule(
     ``example_input`` is one step's batch (a tensor or a tuple of positional arguments;
     keyword arguments in ``example_kwargs``) and must split into ``n_microbatches`` equal
     micro-batches; every ``step`` then gets batches of that size. ``loss_fn(output,
-    target)`` sees each micro-batch's output in the model's own structure; ``scale_grads``
-    is torch's (False: gradients are the sums over micro-batches, right for a sum-reduced
-    loss; True: divided by ``n_microbatches``, right for a mean-reduced one). Rank ``r``
-    holds stages ``r, r + W, ...`` (``r`` and ``2W - 1 - r`` for V-shaped schedules).
+    target)`` sees each micro-batch's output in the model's own structure. ``scale_grads``
+    defaults to True, as in torch's schedules: each step's gradients are divided by
+    ``n_microbatches``, right for a mean-reduced loss (fxpipe divides each micro-batch
+    loss's gradient, so that steps accumulated before an update each count once; torch
+    divides the whole ``.grad`` at the end of a step, what earlier steps left in it too).
+    False: the sums over the micro-batches, right for a sum-reduced loss; it was the
+    default before, so pass it to keep that behaviour. Rank ``r`` holds stages ``r, r + W,
+    ...`` (``r`` and ``2W - 1 - r`` for V-shaped schedules).
     ``device`` defaults to the current CUDA device under NCCL, else the CPU. ``num_stages``,
     when given, must equal ``world_size * stages_per_rank``. A model built on the ``meta``
     device is planned as it is; its rank's stages are then materialised (uninitialised)

@@ -97,14 +97,17 @@ class DistributedPipeline:
         if self.layout.sharded:  # fully_shard put DTensor Parameters in the stage modules
             sharded = {id(old): getattr(module, name) for module, name, old in slots}
             self._own.adopt(sharded, [model, plan.graph_module, *program.modules])
-        loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output)
+        # scale_grads divides each micro-batch loss's gradient (see _MeanLoss), not the
+        # gradients at the end of the step as torch does (scale_grads=False to torch)
+        scale = n_microbatches if scale_grads else 1
+        loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output, scale)
         cls = get_schedule_class(kind)
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(
             self.stages[0] if single else list(self.stages),
             n_microbatches=n_microbatches,
             loss_fn=loss,
-            scale_grads=scale_grads,
+            scale_grads=False,
         )
 
     def _stage(
@@ -129,9 +132,6 @@ class DistributedPipeline:
             output_args=outputs,
             group=self.group,
         )
-        before = self.stage_modules[: self.stage_indices.index(j)]
-        earlier = {id(p) for m in before for p in m.parameters()}
-        stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
         stage.unloaded = self._own.uninitialised  # emptied in place by the loads
         stage.tied = self._tied
         stage.statistics, stage.n_microbatches = self._statistics, self._n_microbatches
@@ -537,13 +537,10 @@ def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage that scales a Parameter shared with an earlier stage of its rank once
-    (torch scales every stage's parameters, so such a Parameter would be scaled twice), and
-    checks each step before it sends anything: refuses unloaded ``meta`` tensors, tied
-    copies updated without a sum, and inputs unlike the example's; warns once about batch
-    statistics."""
+    """A PipelineStage that checks each step before it sends anything: refuses unloaded
+    ``meta`` tensors, tied copies updated without a sum, and inputs unlike the example's;
+    warns once about batch statistics."""
 
-    scaled: list[nn.Parameter]
     #: Keys of this rank's tensors materialised from ``meta`` and not loaded yet.
     unloaded: set[str]
     #: The rank's record of updates to tied copies between steps.
@@ -609,20 +606,37 @@ class _Stage(PipelineStage):
         )
         return grads, weight_side(disjoint_param_groups(groups or []), graph)
 
-    def scale_grads(self, grad_scale_factor: int) -> None:
-        if grad_scale_factor != 1:
-            for p in self.scaled:
-                if p.grad is not None:
-                    p.grad.div_(grad_scale_factor)
-
 
 class _StructuredLoss:
-    """``loss_fn`` called on the model's own output structure rather than torch's flat one."""
+    """``loss_fn`` called on the model's own output structure rather than torch's flat one;
+    with ``scale`` > 1, its gradient divided by ``scale`` (:class:`_MeanLoss`)."""
 
     def __init__(
-        self, loss_fn: Callable[..., torch.Tensor], rebuild: Callable[[Any], Any]
+        self, loss_fn: Callable[..., torch.Tensor], rebuild: Callable[[Any], Any], scale: int = 1
     ) -> None:
-        self.loss_fn, self.rebuild = loss_fn, rebuild
+        self.loss_fn, self.rebuild, self.scale = loss_fn, rebuild, scale
 
     def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
-        return self.loss_fn(self.rebuild(output), target, **kwargs)
+        loss = self.loss_fn(self.rebuild(output), target, **kwargs)
+        if self.scale == 1:
+            return loss
+        out: torch.Tensor = _MeanLoss.apply(loss, self.scale)  # type: ignore[no-untyped-call]
+        return out
+
+
+class _MeanLoss(torch.autograd.Function):
+    """A micro-batch's loss, its value as it is, its gradient divided by the number of
+    micro-batches (``scale_grads=True``): each step adds the mean of its micro-batches'
+    gradients to the Parameters'. torch divides the Parameters' whole gradients at the
+    end of each step instead, which also divides what earlier steps accumulated in them
+    (gradient accumulation over steps then gives the earlier steps too little weight), and
+    divides a Parameter two stages of a rank share once per stage."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: int) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.scale, None
