@@ -1020,16 +1020,19 @@ def test_inputs_unlike_the_examples_are_refused_before_anything_is_sent(
     tmp_path: Path, what: str
 ) -> None:
     """Without the checks, the last rank received into a buffer of the example's size and
-    aborted (SIGABRT) on a larger batch; another constant was a RuntimeError of torch's."""
+    aborted (SIGABRT) on a larger batch; another constant was a RuntimeError of torch's.
+    The first rank refuses the step and the other raises too, quoting it (no time-out)."""
     runs = _launch(_wrong_inputs, 2, tmp_path, pg_timeout=15, what=what)
     assert all(code != 0 for code, _ in runs), [code for code, _ in runs]
-    first = runs[0][1]["error"]
+    first, second = (res["error"] for _, res in runs)
     assert first.startswith("InputError"), first
+    assert second.startswith("InputError: the pipeline's first rank refused"), second
     if what == "batch":
-        assert "shapes [(4, 32)]" in first and "built for [(2, 32)]" in first, first
-        assert "batch of 8 rows" in first
+        assert "argument x has shape (16, 32): a batch of 16 rows" in first, first
+        assert "built for batches of 8 rows" in first, first
     else:
         assert "argument scale is 3.0 but the pipeline was traced with 2.0" in first, first
+    assert first.removeprefix("InputError: ") in second, second
 
 
 @pytest.mark.slow

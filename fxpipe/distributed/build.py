@@ -2,11 +2,11 @@
 with ``cost="time"``), fixes the activation shapes and checks that every rank planned alike,
 then hands over to :class:`DistributedPipeline`.
 
-Activation shapes are fixed from the example, as torch's static stage metadata: the example
+Activation shapes are found from the example, as torch's static stage metadata: the example
 is one step's full batch, split into ``n_microbatches`` equal micro-batches, and the stage
 program runs once on fake tensors of one micro-batch (no memory, no device time) to give
 each stage's input and output shapes (``shapes.py``). No stage runs on real data before the
-first step.
+first step. A step with other sizes (a sequence length) re-sizes them (``step_shapes.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from fxpipe.devices import parse_device
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, check_sharding, mesh_layout
 from fxpipe.distributed.runner import DistributedPipeline
 from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
+from fxpipe.distributed.step_shapes import StepShapes
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
 from fxpipe.options import PlanOptions
@@ -75,15 +76,17 @@ def pipeline_schedule(
     Call it on every rank of ``group`` (default: the world) with the same arguments.
     ``example_input`` is one step's batch (a tensor or a tuple of positional arguments;
     keyword arguments in ``example_kwargs``) and must split into ``n_microbatches`` equal
-    micro-batches; every ``step`` then gets batches of that size. ``loss_fn(output,
-    target)`` sees each micro-batch's output in the model's own structure. ``scale_grads``
-    defaults to True, as in torch's schedules: each step's gradients are divided by
-    ``n_microbatches``, right for a mean-reduced loss (fxpipe divides each micro-batch
-    loss's gradient, so that steps accumulated before an update each count once; torch
-    divides the whole ``.grad`` at the end of a step, what earlier steps left in it too).
-    False: the sums over the micro-batches, right for a sum-reduced loss; it was the
-    default before, so pass it to keep that behaviour. Rank ``r`` holds stages ``r, r + W,
-    ...`` (``r`` and ``2W - 1 - r`` for V-shaped schedules).
+    micro-batches; every ``step`` then gets batches of that many rows, whose other sizes
+    (a sequence length) may change from step to step, except where the traced graph fixes
+    them (refused on every rank, naming the size). ``loss_fn(output, target)`` sees each
+    micro-batch's output in the model's own structure. ``scale_grads`` defaults to True,
+    as in torch's schedules: each step's gradients are divided by ``n_microbatches``,
+    right for a mean-reduced loss (fxpipe divides each micro-batch loss's gradient, so
+    that steps accumulated before an update each count once; torch divides the whole
+    ``.grad`` at the end of a step, what earlier steps left in it too). False: the sums
+    over the micro-batches, right for a sum-reduced loss; it was the default before, so
+    pass it to keep that behaviour. Rank ``r`` holds stages ``r, r + W, ...`` (``r`` and
+    ``2W - 1 - r`` for V-shaped schedules).
     ``device`` defaults to the current CUDA device under NCCL, else the CPU. ``num_stages``,
     when given, must equal ``world_size * stages_per_rank``. A model built on the ``meta``
     device is planned as it is; its rank's stages are then materialised (uninitialised)
@@ -143,7 +146,8 @@ def pipeline_schedule(
     compiled = _compile(model, args, kwargs, devices, options)
     plan, program = compiled.plan, compiled.program
     check_micro_batches(compiled.traced, n_microbatches, model, option="n_microbatches")
-    values = compiled.traced.binder.bind(mb_args, mb_kwargs)
+    binder = compiled.traced.binder
+    values = binder.bind(mb_args, mb_kwargs)
     found = example_shapes(model, program, values)
     metas = list(found.metas)
     metas[0] = (tuple(meta_like(t) for t in tensors(mb_args)), metas[0][1])
@@ -154,11 +158,22 @@ def pipeline_schedule(
     _check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
         _check_agreement(plan, program, config, layout.dp_group, target)
+    sizes = StepShapes(
+        program,
+        binder,
+        found,
+        args,
+        kwargs,
+        n_microbatches=n_microbatches,
+        group=group,
+        device=target,
+        comm=_comm_device(group, target),
+    )
     return DistributedPipeline(
         model,
         plan,
         program,
-        compiled.traced.binder,
+        binder,
         metas,
         ranks,
         group,
@@ -171,7 +186,7 @@ def pipeline_schedule(
         idle=found.idle,
         layouts=found.layouts,
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
-        input_shapes=tuple(tuple(t.shape) for t in tensors((mb_args, mb_kwargs))),
+        step_shapes=sizes,
         whole=whole,
     )
 
