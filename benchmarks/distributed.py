@@ -217,7 +217,7 @@ def _rank(
         kind, per_rank = PIPELINED[schedule]
         pipe = fd.pipeline_schedule(
             _model(), x, schedule=kind, n_microbatches=chunks, loss_fn=loss,
-            stages_per_rank=per_rank,
+            stages_per_rank=per_rank, scale_grads=False,
         )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 

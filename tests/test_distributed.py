@@ -3,9 +3,10 @@
 Each test starts its ranks with torch.multiprocessing (from a fork server), joins every one
 of them under a hard time limit (killing the rest and failing past it), and reads what each
 rank saved.
-Losses are sum-reduced with ``scale_grads=False``, so the summed micro-batch losses and the
-gradients equal the eager model's on the whole batch (one test uses ``scale_grads=True`` and
-compares with the eager gradients divided by the number of micro-batches).
+Losses are sum-reduced with ``scale_grads=False`` (passed explicitly: the default is True, as
+in torch's schedules), so the summed micro-batch losses and the gradients equal the eager
+model's on the whole batch (one test uses ``scale_grads=True`` and compares with the eager
+gradients divided by the number of micro-batches).
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ def _bits(rank: int, world: int, *, name: str, n_mbs: tuple[int, ...]) -> dict[i
     for n_mb in n_mbs:
         pipe = fd.pipeline_schedule(
             build(), args, example_kwargs=kwargs, n_microbatches=n_mb, loss_fn=loss_fn,
+            scale_grads=False,
         )  # fmt: skip
         _step(pipe, args, kwargs, target)
         pipe.sync_tied_gradients()
@@ -332,7 +334,7 @@ def _meta_model(rank: int, world: int, *, dp: int = 1) -> dict[str, Any]:
         args, target = tuple(a.chunk(dp)[replica] for a in args), target.chunk(dp)[replica]
     pipe = fd.pipeline_schedule(
         model, args, n_microbatches=N_MB, loss_fn=loss_fn, schedule="1f1b", mesh=mesh,
-        data_parallel="fsdp",
+        data_parallel="fsdp", scale_grads=False,
     )  # fmt: skip
     own = dict(pipe.named_parameters())
     placed = all(not p.is_meta for p in own.values())
@@ -737,8 +739,9 @@ def _strided_boundaries(
     for schedule, spr in schedules:
         model, x, target = _local_conv_tokens()
         pipe = fd.pipeline_schedule(
-            model, x, schedule=schedule, n_microbatches=N_MB, loss_fn=_sum_sq, stages_per_rank=spr
-        )
+            model, x, schedule=schedule, n_microbatches=N_MB, loss_fn=_sum_sq, stages_per_rank=spr,
+            scale_grads=False,
+        )  # fmt: skip
         losses = _step(pipe, (x,), {}, target)
         # a permuted layout: strides not in decreasing order
         received = [s for j, layouts in enumerate(pipe._layouts or ()) if j > 0 for s in layouts]
@@ -1017,16 +1020,19 @@ def test_inputs_unlike_the_examples_are_refused_before_anything_is_sent(
     tmp_path: Path, what: str
 ) -> None:
     """Without the checks, the last rank received into a buffer of the example's size and
-    aborted (SIGABRT) on a larger batch; another constant was a RuntimeError of torch's."""
+    aborted (SIGABRT) on a larger batch; another constant was a RuntimeError of torch's.
+    The first rank refuses the step and the other raises too, quoting it (no time-out)."""
     runs = _launch(_wrong_inputs, 2, tmp_path, pg_timeout=15, what=what)
     assert all(code != 0 for code, _ in runs), [code for code, _ in runs]
-    first = runs[0][1]["error"]
+    first, second = (res["error"] for _, res in runs)
     assert first.startswith("InputError"), first
+    assert second.startswith("InputError: the pipeline's first rank refused"), second
     if what == "batch":
-        assert "shapes [(4, 32)]" in first and "built for [(2, 32)]" in first, first
-        assert "batch of 8 rows" in first
+        assert "argument x has shape (16, 32): a batch of 16 rows" in first, first
+        assert "built for batches of 8 rows" in first, first
     else:
         assert "argument scale is 3.0 but the pipeline was traced with 2.0" in first, first
+    assert first.removeprefix("InputError: ") in second, second
 
 
 @pytest.mark.slow
@@ -1209,7 +1215,7 @@ def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
     reads the first layer's weight for its dtype); elsewhere the search is skipped (and
     torch's warning that it found none)."""
     from fxpipe.api import compile_model
-    from fxpipe.distributed.build import _stage_metas
+    from fxpipe.distributed.shapes import example_shapes
     from fxpipe.options import PlanOptions
 
     case = ZOO[name]
@@ -1218,5 +1224,4 @@ def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
     options = PlanOptions(cost="flops", chunks=N_MB, traffic="relay", replicate_weights=True)
     compiled = compile_model(model, args, ["cpu"] * stages, options, example_kwargs=kwargs)
     values = compiled.traced.binder.bind(args, kwargs)
-    _, found, _ = _stage_metas(model, compiled.program, values)
-    assert found == idle
+    assert example_shapes(model, compiled.program, values).idle == idle

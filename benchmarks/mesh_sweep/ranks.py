@@ -58,6 +58,7 @@ def rank_job(name: str, config: Config) -> Row:
         example_kwargs=fresh(kwargs),
         n_microbatches=config.n_microbatches,
         loss_fn=projection_loss,
+        scale_grads=False,  # sum-reduced: the gradients are eager's on the replica's rows
         schedule=config.schedule,
         stages_per_rank=config.stages_per_rank,
         mesh=mesh,

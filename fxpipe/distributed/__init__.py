@@ -23,6 +23,10 @@ Modules:
 
 - ``build``: :func:`pipeline_schedule`: option checks (before any communication), planning,
   activation shapes, the agreement check.
+- ``shapes``: each stage's input and output shapes for one micro-batch, from a run of the
+  stage program on fake tensors.
+- ``step_shapes``: each step's input sizes, sent by the first rank to the others (one small
+  broadcast per step), so that a step may have another sequence length than the last.
 - ``runner``: :class:`DistributedPipeline`: the stages, the torch schedule, gradients of
   shared parameters, state-dict shards.
 - ``split_backward``: the weight part of a zero-bubble stage's backward, computed by

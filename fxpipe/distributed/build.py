@@ -2,17 +2,17 @@
 with ``cost="time"``), fixes the activation shapes and checks that every rank planned alike,
 then hands over to :class:`DistributedPipeline`.
 
-Activation shapes are fixed from the example, as torch's static stage metadata: the example
+Activation shapes are found from the example, as torch's static stage metadata: the example
 is one step's full batch, split into ``n_microbatches`` equal micro-batches, and the stage
 program runs once on fake tensors of one micro-batch (no memory, no device time) to give
-each stage's input and output shapes. No stage runs on real data before the first step.
+each stage's input and output shapes (``shapes.py``). No stage runs on real data before the
+first step. A step with other sizes (a sequence length) re-sizes them (``step_shapes.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -20,21 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from fxpipe.api import Compiled, compile_model
 from fxpipe.devices import parse_device
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, check_sharding, mesh_layout
-from fxpipe.distributed.runner import DistributedPipeline, Metas
-from fxpipe.distributed.split_backward import autograd_nodes
-from fxpipe.distributed.strides import Strides, layout_of
+from fxpipe.distributed.runner import DistributedPipeline
+from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
+from fxpipe.distributed.step_shapes import StepShapes
 from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
 from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
 from fxpipe.options import PlanOptions
@@ -55,7 +50,6 @@ SCHEDULES = (
 #: Schedules whose 2 stages per rank sit in a V: rank r holds stages r and 2W - 1 - r.
 V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})
 _INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
-_Spec = tuple[tuple[int, ...], torch.dtype, bool]
 
 
 def pipeline_schedule(
@@ -72,7 +66,7 @@ def pipeline_schedule(
     num_stages: int | None = None,
     cost: CostMode | Callable[[fx.Node], float] = "flops",
     tracer: TracerName = "auto",
-    scale_grads: bool = False,
+    scale_grads: bool = True,
     slack: float = 0.0,
     mesh: Any = None,
     data_parallel: str = "ddp",
@@ -82,11 +76,17 @@ def pipeline_schedule(
     Call it on every rank of ``group`` (default: the world) with the same arguments.
     ``example_input`` is one step's batch (a tensor or a tuple of positional arguments;
     keyword arguments in ``example_kwargs``) and must split into ``n_microbatches`` equal
-    micro-batches; every ``step`` then gets batches of that size. ``loss_fn(output,
-    target)`` sees each micro-batch's output in the model's own structure; ``scale_grads``
-    is torch's (False: gradients are the sums over micro-batches, right for a sum-reduced
-    loss; True: divided by ``n_microbatches``, right for a mean-reduced one). Rank ``r``
-    holds stages ``r, r + W, ...`` (``r`` and ``2W - 1 - r`` for V-shaped schedules).
+    micro-batches; every ``step`` then gets batches of that many rows, whose other sizes
+    (a sequence length) may change from step to step, except where the traced graph fixes
+    them (refused on every rank, naming the size). ``loss_fn(output, target)`` sees each
+    micro-batch's output in the model's own structure. ``scale_grads`` defaults to True,
+    as in torch's schedules: each step's gradients are divided by ``n_microbatches``,
+    right for a mean-reduced loss (fxpipe divides each micro-batch loss's gradient, so
+    that steps accumulated before an update each count once; torch divides the whole
+    ``.grad`` at the end of a step, what earlier steps left in it too). False: the sums
+    over the micro-batches, right for a sum-reduced loss; it was the default before, so
+    pass it to keep that behaviour. Rank ``r`` holds stages ``r, r + W, ...`` (``r`` and
+    ``2W - 1 - r`` for V-shaped schedules).
     ``device`` defaults to the current CUDA device under NCCL, else the CPU. ``num_stages``,
     when given, must equal ``world_size * stages_per_rank``. A model built on the ``meta``
     device is planned as it is; its rank's stages are then materialised (uninitialised)
@@ -147,9 +147,11 @@ def pipeline_schedule(
     compiled = _compile(model, args, kwargs, devices, options)
     plan, program = compiled.plan, compiled.program
     check_micro_batches(compiled.traced, n_microbatches, model, option="n_microbatches")
-    values = compiled.traced.binder.bind(mb_args, mb_kwargs)
-    metas, idle, layouts = _stage_metas(model, program, values)
-    metas[0] = (tuple(_meta(_spec(t)) for t in _tensors(mb_args)), metas[0][1])
+    binder = compiled.traced.binder
+    values = binder.bind(mb_args, mb_kwargs)
+    found = example_shapes(model, program, values)
+    metas = list(found.metas)
+    metas[0] = (tuple(meta_like(t) for t in tensors(mb_args)), metas[0][1])
     _check_weight_part(kind, program, metas)
     ranks = stage_ranks(world, total, v_shaped=kind in V_SHAPED)
     whole = check_sharding(layout, program.modules, ranks)  # what FSDP leaves unsharded
@@ -157,11 +159,22 @@ def pipeline_schedule(
     _check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
         _check_agreement(plan, program, config, layout.dp_group, target)
+    sizes = StepShapes(
+        program,
+        binder,
+        found,
+        args,
+        kwargs,
+        n_microbatches=n_microbatches,
+        group=group,
+        device=target,
+        comm=_comm_device(group, target),
+    )
     return DistributedPipeline(
         model,
         plan,
         program,
-        compiled.traced.binder,
+        binder,
         metas,
         ranks,
         group,
@@ -171,10 +184,10 @@ def pipeline_schedule(
         loss_fn=loss_fn,
         scale_grads=scale_grads,
         layout=layout,
-        idle=idle,
-        layouts=layouts,
+        idle=found.idle,
+        layouts=found.layouts,
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
-        input_shapes=tuple(tuple(t.shape) for t in _tensors((mb_args, mb_kwargs))),
+        step_shapes=sizes,
         whole=whole,
     )
 
@@ -364,16 +377,12 @@ def _to_meta(value: Any) -> Any:
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
 def _first_microbatch(
     args: tuple[Any, ...], kwargs: dict[str, Any], n: int
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example's first micro-batch; all micro-batches must have the same shape."""
-    tensors = _tensors((args, kwargs))
-    batch = tensors[0].shape[0] if tensors and tensors[0].ndim else 0
+    given = tensors((args, kwargs))
+    batch = given[0].shape[0] if given and given[0].ndim else 0
     if batch == 0 or batch % n:
         raise InputError(
             f"the example batch ({batch} rows) does not split into n_microbatches={n} equal "
@@ -384,105 +393,8 @@ def _first_microbatch(
     return mb_args[0], mb_kwargs[0]
 
 
-def _spec(t: torch.Tensor) -> _Spec:
-    return tuple(t.shape), t.dtype, t.requires_grad
-
-
-def _meta(spec: _Spec) -> torch.Tensor:
-    shape, dtype, grad = spec
-    t = torch.empty(shape, dtype=dtype, device="meta")
-    return t.requires_grad_(grad) if t.is_floating_point() or t.is_complex() else t
-
-
-def _stage_metas(
-    model: nn.Module, program: StageProgram, values: tuple[Any, ...]
-) -> tuple[list[Metas], tuple[bool, ...], tuple[tuple[Strides, ...], ...]]:
-    """Meta tensors shaped like each stage's inputs and outputs for one micro-batch: from a
-    run on fake tensors, or, where an output's shape depends on tensor values (an
-    ``.item()`` in a length check) and the example holds real ones, from a run on the
-    example's micro-batch itself (its buffer updates undone). Also, per stage, whether it
-    holds a trained Parameter its outputs do not depend on (one it reads for its dtype or
-    shape alone), for which DDP must look each step; and the layout (strides) of each
-    stage's inputs as the earlier stages make them, which torch's contiguous buffers lose."""
-    saved = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
-    try:
-        with torch.random.fork_rng(devices=[]):
-            try:
-                specs, idle, layouts = _chain_specs(program, values, fake=True)
-            except (DataDependentOutputException, DynamicOutputShapeException) as e:
-                if any(t.is_meta for t in _tensors(values)):
-                    raise ConfigError(
-                        "a stage's output shape depends on tensor values "
-                        f"({type(e).__name__}), which a model on 'meta' does not hold; "
-                        "build the model with real weights, or make the shape not depend "
-                        "on values"
-                    ) from e
-                specs, idle, layouts = _chain_specs(program, values, fake=False)
-    finally:
-        with torch.no_grad():
-            for b, value in saved:
-                b.copy_(value)
-    # Made outside the fake mode: a tensor made inside would keep the mode (and its weak
-    # references to the model's tensors) alive.
-    metas = [(tuple(map(_meta, a)), tuple(map(_meta, b))) for a, b in specs]
-    return metas, tuple(idle), tuple(layouts)
-
-
-def _chain_specs(
-    program: StageProgram, values: tuple[Any, ...], *, fake: bool
-) -> tuple[list[tuple[list[_Spec], list[_Spec]]], list[bool], list[tuple[Strides, ...]]]:
-    """Each stage's input and output specs, the stages run in turn on ``values`` (as fake
-    tensors with ``fake``), with gradients on so that ``requires_grad`` is known; for
-    each stage whether it holds a trained Parameter its outputs do not depend on; and the
-    layouts of its tensor inputs."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    specs, idle, layouts = [], [], []
-    with mode, torch.enable_grad():
-        if isinstance(mode, FakeTensorMode):
-            values = tree_map(
-                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, values
-            )
-        env = dict(zip(program.graph_inputs, values))
-        for j, module in enumerate(program.modules):
-            ins = [env[n] for n in program.inputs[j]]
-            outs = module(*ins)
-            env.update(zip(program.outputs[j], outs))
-            names_in, names_out = program.inputs[j], program.outputs[j]
-            specs.append((_specs(j, names_in, ins, j > 0), _specs(j, names_out, outs, True)))
-            layouts.append(tuple(layout_of(t) for t in ins if isinstance(t, torch.Tensor)))
-            used = _accumulated(_tensors(outs), _tensors(ins))
-            trained = [p for p in module.parameters() if p.requires_grad]
-            # the graph holds the Parameters themselves (a fake mode lets real ones in)
-            idle.append(any(id(p) not in used for p in trained))
-        del env, values, ins, outs
-    return specs, idle, layouts
-
-
-def _accumulated(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> set[int]:
-    """The ids of the leaf tensors whose gradients backward from a stage's ``outputs``
-    accumulates, down to the stage's ``inputs`` (the earlier stages' graph is not its)."""
-    nodes = autograd_nodes(outputs, stop_at=inputs)
-    leaves = (getattr(node, "variable", None) for node in nodes)
-    return {id(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)}
-
-
-def _specs(j: int, names: Iterable[str], values: Iterable[Any], strict: bool) -> list[_Spec]:
-    """Specs of the tensors among ``values``; with ``strict``, any other value is an error."""
-    out = []
-    for name, v in zip(names, values):
-        if isinstance(v, torch.Tensor):
-            out.append(_spec(v))
-        elif strict:
-            raise ConfigError(
-                f"value {name!r} at stage {j} is a {type(v).__name__}, not a tensor; "
-                "torch.distributed.pipelining passes only tensors between stages and to the "
-                "loss: pass tensors between the model's layers and return tensors"
-            )
-    return out
-
-
 def _shapes(values: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(t.shape) for t in _tensors(values))
+    return tuple(tuple(t.shape) for t in tensors(values))
 
 
 def stage_ranks(world: int, total: int, *, v_shaped: bool) -> tuple[int, ...]:

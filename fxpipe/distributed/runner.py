@@ -3,6 +3,7 @@ the gradients of parameters shared with other ranks, and its state-dict shard.""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from os import PathLike
 from pathlib import Path
@@ -13,27 +14,28 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, Layout
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
+from fxpipe.distributed.shapes import Metas, meta_like, tensors
 from fxpipe.distributed.split_backward import (
     disjoint_param_groups,
     stage_graph,
     weight_gradients,
     weight_side,
 )
+from fxpipe.distributed.step_shapes import StepShapes
 from fxpipe.distributed.strides import Strides, give_back, hand_out, received, sent
 from fxpipe.distributed.tied_guard import TiedGuard
-from fxpipe.errors import CheckpointError, ConfigError, InputError
+from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
 
 __all__ = ["DistributedPipeline"]
-
-Metas = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
 class DistributedPipeline:
@@ -64,7 +66,7 @@ class DistributedPipeline:
         scale_grads: bool,
         layout: Layout | None = None,
         statistics: BatchStatistics | None = None,
-        input_shapes: tuple[tuple[int, ...], ...] | None = None,
+        step_shapes: StepShapes | None = None,
         whole: frozenset[int] = frozenset(),
         idle: tuple[bool, ...] | None = None,
         layouts: tuple[tuple[Strides, ...], ...] | None = None,
@@ -88,7 +90,7 @@ class DistributedPipeline:
         self._tied = TiedGuard(self._own)
         copies = kind in SPLIT_BACKWARD
         self._statistics, self._n_microbatches = statistics, n_microbatches
-        self._input_shapes = input_shapes
+        self._step_shapes = step_shapes
         self._layouts = layouts
         slots = _parameter_slots(self.stage_modules)
         self.stages = tuple(
@@ -98,25 +100,28 @@ class DistributedPipeline:
         if self.layout.sharded:  # fully_shard put DTensor Parameters in the stage modules
             sharded = {id(old): getattr(module, name) for module, name, old in slots}
             self._own.adopt(sharded, [model, plan.graph_module, *program.modules])
-        loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output)
-        cls = get_schedule_class(kind)
+        # scale_grads divides each micro-batch loss's gradient (see _MeanLoss), not the
+        # gradients at the end of the step as torch does (scale_grads=False to torch)
+        scale = n_microbatches if scale_grads else 1
+        loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output, scale)
+        cls = _sized_steps(get_schedule_class(kind))
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(
             self.stages[0] if single else list(self.stages),
             n_microbatches=n_microbatches,
             loss_fn=loss,
-            scale_grads=scale_grads,
+            scale_grads=False,
         )
+        self.schedule.before_step = self._before_step
 
     def _stage(
         self, program: StageProgram, binder: InputBinder | None, metas: Metas, j: int, copies: bool
-    ) -> PipelineStage:
+    ) -> _Stage:
         take = None
-        inputs, outputs = metas
         if j == self.num_stages - 1:
             names = program.outputs[j]
             take = tuple(names.index(x.name) for x in self._leaves if isinstance(x, ValueRef))
-            outputs = tuple(outputs[i] for i in take)
+        inputs, outputs = _taken(metas, take)
         layouts = None if self._layouts is None else self._layouts[j]
         module = _StageModule(program.modules[j], binder, take, copies, layouts)
         module.no_views = self.layout.sharded
@@ -130,15 +135,37 @@ class DistributedPipeline:
             output_args=outputs,
             group=self.group,
         )
-        before = self.stage_modules[: self.stage_indices.index(j)]
-        earlier = {id(p) for m in before for p in m.parameters()}
-        stage.scaled = [p for p in module.parameters() if id(p) not in earlier]
         stage.unloaded = self._own.uninitialised  # emptied in place by the loads
         stage.tied = self._tied
         stage.statistics, stage.n_microbatches = self._statistics, self._n_microbatches
+        stage.stage_module, stage.taken = module, take
         if j == 0:
-            stage.binder, stage.input_shapes = binder, self._input_shapes
+            stage.binder = binder
         return stage
+
+    def _before_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """At the start of every ``schedule.step``, before anything is sent: this rank's own
+        checks (:meth:`_Stage.check_step`); then this step's sizes, which the first rank
+        sends every rank of the pipeline (one broadcast), and, where they differ from the
+        last step's, this rank's stages' buffers re-made for them (errors about the sizes
+        are raised alike on every rank of the pipeline)."""
+        for stage in self.stages:
+            stage.check_step()
+        shapes = self._step_shapes
+        if shapes is None:
+            return
+        key = shapes.agree(args, kwargs, first=self.is_first)
+        if key == shapes.key:
+            return
+        found = shapes.shapes(key)
+        metas = list(found.metas)
+        if self.is_first:  # torch's first stage takes the positional arguments
+            mb_args, _ = split_args_kwargs_into_chunks(args, kwargs, self._n_microbatches)
+            metas[0] = (tuple(meta_like(t) for t in tensors(mb_args[0])), metas[0][1])
+        for stage in self.stages:
+            j = stage.stage_index
+            stage.resize(*_taken(metas[j], stage.taken), found.layouts[j])
+        self._layouts, shapes.key = found.layouts, key
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's own Parameters (each once, tied ones included), for its optimizer."""
@@ -408,6 +435,10 @@ class _StageModule(nn.Module):
             picked = tuple(self._own(t) for t in picked)
         return picked[0] if len(picked) == 1 else picked
 
+    def set_layouts(self, layouts: tuple[Strides | None, ...]) -> None:
+        """The strides of this micro-batch size's inputs (see strides.py)."""
+        self._layouts = layouts
+
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """``t``, copied when it is a view and FSDP sees the outputs (``no_views``)."""
         return t.clone() if self.no_views and t._is_view() else t
@@ -464,18 +495,29 @@ def _copy(t: torch.Tensor, anchor: torch.Tensor | None, how: str) -> torch.Tenso
     return out
 
 
-def _check_input_shapes(want: tuple[tuple[int, ...], ...], values: Any, n: int) -> None:
-    """InputError when a step's micro-batch tensors are not shaped as the example's were."""
-    got = tuple(tuple(t.shape) for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor))
-    if got != want:
-        rows = n * want[0][0] if want and want[0] else "?"
-        raise InputError(
-            f"this step's micro-batch inputs have shapes {list(got)} but the pipeline was "
-            f"built for {list(want)} (the example's batch of {rows} rows in n_microbatches="
-            f"{n}); torch.distributed.pipelining sizes every buffer from the example: step "
-            f"with batches of {rows} rows shaped as the example, or build the pipeline with "
-            "an example of the batch you step with"
-        )
+def _taken(metas: Metas, take: tuple[int, ...] | None) -> Metas:
+    """A stage's input and output metas as torch's stage has them: the last stage's outputs
+    are the model output's tensor leaves (``take``)."""
+    inputs, outputs = metas
+    return inputs, outputs if take is None else tuple(outputs[i] for i in take)
+
+
+def _sized_steps(cls: type[Any]) -> type[Any]:
+    """``cls`` whose ``step`` first calls ``self.before_step(args, kwargs)`` with the model's
+    own arguments (the keywords of ``cls.step`` itself left out): ``eval`` calls ``step``
+    too. ``isinstance`` of torch's class still holds."""
+    own = {
+        p.name for p in inspect.signature(cls.step).parameters.values() if p.kind is p.KEYWORD_ONLY
+    }
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = getattr(self, "before_step", None)
+        if hook is not None:
+            hook(args, {k: v for k, v in kwargs.items() if k not in own})
+        return cls.step(self, *args, **kwargs)
+
+    doc = f"torch's {cls.__name__}, each step's sizes agreed by every rank first (fxpipe)."
+    return type(cls.__name__, (cls,), {"step": step, "__doc__": doc, "__module__": __name__})
 
 
 def _parameter_slots(modules: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -538,13 +580,11 @@ def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage that scales a Parameter shared with an earlier stage of its rank once
-    (torch scales every stage's parameters, so such a Parameter would be scaled twice), and
-    checks each step before it sends anything: refuses unloaded ``meta`` tensors, tied
-    copies updated without a sum, and inputs unlike the example's; warns once about batch
-    statistics."""
+    """A PipelineStage whose checks run at the start of each step, before anything is sent
+    (:meth:`check_step`: unloaded ``meta`` tensors and tied copies updated without a sum
+    refused, batch statistics warned about once), whose buffers are re-made for a step of
+    other sizes (:meth:`resize`), and whose weight part of a split backward is fxpipe's."""
 
-    scaled: list[nn.Parameter]
     #: Keys of this rank's tensors materialised from ``meta`` and not loaded yet.
     unloaded: set[str]
     #: The rank's record of updates to tied copies between steps.
@@ -553,26 +593,64 @@ class _Stage(PipelineStage):
     #: step that normalises micro-batches with their own statistics; the micro-batch count.
     statistics: BatchStatistics | None = None
     n_microbatches: int = 1
-    #: The first stage's: the binder of the model's arguments, and the micro-batch tensor
-    #: shapes (positional, then keyword) as built, from which torch sizes every buffer.
+    #: The first stage's: the binder of the model's arguments.
     binder: InputBinder | None = None
-    input_shapes: tuple[tuple[int, ...], ...] | None = None
+    #: The stage module (unwrapped), and the outputs the last stage hands torch.
+    stage_module: _StageModule
+    taken: tuple[int, ...] | None = None
 
     def forward_one_chunk(
         self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *more: Any, **options: Any
     ) -> Any:
         """torch's, after refusing micro-batch inputs that differ from the example's in
-        structure, non-tensor values or shapes (here, not inside the stage module, whose
-        errors torch rewraps as RuntimeError); nothing of this step has been sent yet."""
+        structure or non-tensor values, or sizes the graph fixes (here, not inside the stage
+        module, whose errors torch rewraps as RuntimeError); the schedule's step has checked
+        its first micro-batch alike on every rank before anything was sent."""
         if self.binder is not None:
             self.binder.bind(args, kwargs or {})
-        if self.input_shapes is not None:
-            _check_input_shapes(self.input_shapes, (args, kwargs or {}), self.n_microbatches)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, *more, **options)
 
-    def clear_runtime_states(self) -> None:
-        """Called by every torch schedule on every stage at the start of a step, before
-        any communication: a rank whose stages hold uninitialised memory stops there."""
+    def resize(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        outputs: tuple[torch.Tensor, ...],
+        layouts: tuple[Strides, ...],
+    ) -> None:
+        """Re-make torch's buffers for micro-batches whose boundary values have the shapes
+        of ``inputs`` and ``outputs`` (``meta`` tensors), from torch's static metadata, as
+        torch makes them at the first step (nothing is sent); the stage module's inputs get
+        ``layouts``. Before the first step, the metadata alone: torch makes the buffers."""
+        user = getattr(self, "_user_meta", None)
+        if user is None or not hasattr(self, "_prepare_forward_infra"):
+            raise ConfigError(
+                f"this torch ({torch.__version__}) keeps a pipeline stage's shapes where "
+                "fxpipe cannot change them, and this step's sizes differ from the "
+                "example's; pad every batch to the example's sizes, or use torch 2.13 or "
+                "later, whose stages fxpipe re-sizes"
+            )
+        from torch.distributed.pipelining._utils import extract_tensor_metas
+
+        self._user_meta = type(user)(
+            inputs=extract_tensor_metas(inputs), outputs=extract_tensor_metas(outputs)
+        )
+        self.stage_module.set_layouts(layouts)
+        mode = getattr(self, "_inference_mode", None)
+        if mode is None:  # no step yet: torch sets the buffers up from _user_meta
+            return
+        if getattr(mode, "value", None) != "static":
+            raise ConfigError(
+                f"stage {self.stage_index}'s shapes were inferred by torch at run time "
+                f"({mode}), which fxpipe does not re-run; pad every batch to the example's "
+                "sizes"
+            )
+        self._prepare_forward_infra(self.n_microbatches, None, None, self.has_backward)
+        if self.grad_recv_info:
+            self._prepare_backward_infra(self.n_microbatches)
+
+    def check_step(self) -> None:
+        """Called on every stage at the start of a step, before any communication: a rank
+        whose stages hold uninitialised memory, or a tied copy updated without a sum, stops
+        there."""
         if self.unloaded:
             keys = sorted(self.unloaded)
             shown = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
@@ -585,7 +663,6 @@ class _Stage(PipelineStage):
         self.tied.step_started()
         if self.statistics is not None:
             self.statistics.warn_once(self.n_microbatches)
-        super().clear_runtime_states()
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict[str, Any], *args: Any, **kwargs: Any
@@ -610,20 +687,37 @@ class _Stage(PipelineStage):
         )
         return grads, weight_side(disjoint_param_groups(groups or []), graph)
 
-    def scale_grads(self, grad_scale_factor: int) -> None:
-        if grad_scale_factor != 1:
-            for p in self.scaled:
-                if p.grad is not None:
-                    p.grad.div_(grad_scale_factor)
-
 
 class _StructuredLoss:
-    """``loss_fn`` called on the model's own output structure rather than torch's flat one."""
+    """``loss_fn`` called on the model's own output structure rather than torch's flat one;
+    with ``scale`` > 1, its gradient divided by ``scale`` (:class:`_MeanLoss`)."""
 
     def __init__(
-        self, loss_fn: Callable[..., torch.Tensor], rebuild: Callable[[Any], Any]
+        self, loss_fn: Callable[..., torch.Tensor], rebuild: Callable[[Any], Any], scale: int = 1
     ) -> None:
-        self.loss_fn, self.rebuild = loss_fn, rebuild
+        self.loss_fn, self.rebuild, self.scale = loss_fn, rebuild, scale
 
     def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
-        return self.loss_fn(self.rebuild(output), target, **kwargs)
+        loss = self.loss_fn(self.rebuild(output), target, **kwargs)
+        if self.scale == 1:
+            return loss
+        out: torch.Tensor = _MeanLoss.apply(loss, self.scale)  # type: ignore[no-untyped-call]
+        return out
+
+
+class _MeanLoss(torch.autograd.Function):
+    """A micro-batch's loss, its value as it is, its gradient divided by the number of
+    micro-batches (``scale_grads=True``): each step adds the mean of its micro-batches'
+    gradients to the Parameters'. torch divides the Parameters' whole gradients at the
+    end of each step instead, which also divides what earlier steps accumulated in them
+    (gradient accumulation over steps then gives the earlier steps too little weight), and
+    divides a Parameter two stages of a rank share once per stage."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scale: int) -> torch.Tensor:
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.scale, None
