@@ -171,6 +171,18 @@ def test_import_fxpipe_exposes_the_public_api() -> None:
     assert "passes" not in sys.modules
 
 
+def test_python_started_in_the_repository_root_finds_fxpipe_passes() -> None:
+    """There ./fxpipe comes first on sys.path; its link fxpipe/passes makes it whole."""
+    show = "import fxpipe, fxpipe.passes.partition as p; print(fxpipe.__file__); print(p.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", show], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    package, partition = done.stdout.strip().splitlines()[-2:]
+    assert Path(package) == ROOT / "fxpipe" / "__init__.py"
+    assert Path(partition).resolve() == PASSES / "partition.py"
+
+
 def test_the_editable_install_puts_fxpipe_passes_on_a_static_path() -> None:
     """Type checkers do not run import hooks: besides setuptools' hook, the editable install
     (build_backend/fxpipe_build.py) puts on sys.path a folder of links where passes/ is
