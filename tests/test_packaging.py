@@ -5,10 +5,13 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -256,3 +259,36 @@ def test_python_started_in_the_repository_root_finds_fxpipe_passes() -> None:
     package, partition = done.stdout.strip().splitlines()[-2:]
     assert Path(package) == ROOT / "fxpipe" / "__init__.py"
     assert Path(partition).resolve() == PASSES / "partition.py"
+
+
+def test_the_wheel_holds_fxpipe_passes_and_no_top_level_passes(tmp_path: Path) -> None:
+    """The built package comes from the package-dir mapping: fxpipe/passes holds passes/*.py
+    once (the link fxpipe/passes adds no second copy), and nothing named passes is top-level.
+    Built from a copy of the sources, so that the build leaves nothing in the checkout."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        (source / name).write_bytes((ROOT / name).read_bytes())
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "fxpipe", source / "fxpipe", symlinks=True, ignore=skip)
+    shutil.copytree(PASSES, source / "passes", ignore=skip)
+    # the environment's setuptools where there is one, else pip fetches it
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation]
+        + ["-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("fxpipe-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        top_level = archive.read(next(n for n in names if n.endswith(".dist-info/top_level.txt")))
+        passes = {n: archive.read(n) for n in names if n.startswith("fxpipe/passes/")}
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"fxpipe", f"fxpipe-{wheel.name.split('-')[1]}.dist-info"}
+    assert top_level.decode().split() == ["fxpipe"]
+    assert passes == {f"fxpipe/passes/{p.name}": p.read_bytes() for p in PASSES.glob("*.py")}
+    assert "fxpipe/py.typed" in names
