@@ -5,10 +5,13 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -171,10 +174,8 @@ def test_import_fxpipe_exposes_the_public_api() -> None:
     assert "passes" not in sys.modules
 
 
-def test_the_editable_install_puts_fxpipe_passes_on_a_static_path() -> None:
-    """Type checkers do not run import hooks: besides setuptools' hook, the editable install
-    (build_backend/fxpipe_build.py) puts on sys.path a folder of links where passes/ is
-    fxpipe/passes, so that mypy run on a user's file sees fxpipe's real types."""
+def _editable_install() -> importlib.metadata.Distribution:
+    """fxpipe's distribution when it is installed in editable mode from this checkout."""
     # every fxpipe on the path: ./fxpipe.egg-info, left by a build, may come first
     found = [
         (dist, json.loads(dist.read_text("direct_url.json") or "{}"))
@@ -186,17 +187,108 @@ def test_the_editable_install_puts_fxpipe_passes_on_a_static_path() -> None:
     dist, direct = editable[0]
     if Path(url2pathname(urlparse(direct["url"]).path)).resolve() != ROOT:
         pytest.skip("fxpipe is installed in editable mode from another checkout")
-    folders = [
-        Path(line.strip())
+    return dist
+
+
+def test_the_editable_install_puts_a_static_fxpipe_with_passes_on_sys_path() -> None:
+    """Type checkers do not run import hooks: the editable install is setuptools' strict mode
+    (setup.cfg), whose .pth file names a folder laid out as the installed package, with
+    passes/ as fxpipe/passes and no top-level passes."""
+    dist = _editable_install()
+    lines = [
+        line.strip()
         for file in dist.files or []
         if file.name.endswith(".pth")
         for line in Path(str(file.locate())).read_text().splitlines()
-        if line.strip() and not line.startswith(("import ", "import\t", "#"))
+        if line.strip() and not line.startswith("#")
     ]
-    linked = [f for f in folders if (f / "fxpipe" / "passes" / "__init__.py").is_file()]
-    assert linked, f"no folder with fxpipe/passes among the .pth entries {folders}"
-    package = linked[0] / "fxpipe"
+    hooks = [line for line in lines if line.startswith(("import ", "import\t"))]
+    assert not hooks, f"the editable install runs an import hook: {hooks}"
+    folders = [Path(line) for line in lines]
+    assert len(folders) == 1, folders
+    package = folders[0] / "fxpipe"
     assert (package / "py.typed").is_file()
     assert (package / "__init__.py").resolve() == ROOT / "fxpipe" / "__init__.py"
+    assert sorted(p.name for p in (package / "passes").glob("*.py")) == sorted(
+        p.name for p in PASSES.glob("*.py")
+    ), "a module added to or removed from passes/ since the last pip install -e"
     for stem in PASS_MODULES:
         assert (package / "passes" / f"{stem}.py").resolve() == PASSES / f"{stem}.py"
+    assert sorted(p.name for p in folders[0].iterdir()) == ["fxpipe"]
+
+
+#: Outside the repository, mypy must read fxpipe.passes' own signatures: calling a pass with
+#: a wrong type is an error only when it does (a module it cannot see is Any, or missing).
+USER_CODE = textwrap.dedent(
+    """
+    from fxpipe.passes.partition import partition_graph
+
+    partition_graph(None, "two")
+    """
+)
+
+
+def test_mypy_outside_the_repository_reads_fxpipe_passes(tmp_path: Path) -> None:
+    pytest.importorskip("mypy", reason="mypy comes with the dev extra")
+    (tmp_path / "user.py").write_text(USER_CODE)
+    # torch, networkx and numpy unread: the check is about fxpipe, and they take minutes
+    config = "[mypy]\n[mypy-torch.*,networkx.*,numpy.*]\nfollow_imports = skip\n"
+    (tmp_path / "mypy.ini").write_text(config)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", "cache"]
+        + ["--no-error-summary", "user.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    errors = done.stdout.strip().splitlines()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert len(errors) == 1, errors
+    wrong = 'Argument 2 to "partition_graph" has incompatible type "str"; expected "int"'
+    assert errors[0].startswith("user.py:4: error: " + wrong), errors
+
+
+def test_python_started_in_the_repository_root_finds_fxpipe_passes() -> None:
+    """There ./fxpipe comes first on sys.path; its link fxpipe/passes makes it whole."""
+    show = "import fxpipe, fxpipe.passes.partition as p; print(fxpipe.__file__); print(p.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", show], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    package, partition = done.stdout.strip().splitlines()[-2:]
+    assert Path(package) == ROOT / "fxpipe" / "__init__.py"
+    assert Path(partition).resolve() == PASSES / "partition.py"
+
+
+def test_the_wheel_holds_fxpipe_passes_and_no_top_level_passes(tmp_path: Path) -> None:
+    """The built package comes from the package-dir mapping: fxpipe/passes holds passes/*.py
+    once (the link fxpipe/passes adds no second copy), and nothing named passes is top-level.
+    Built from a copy of the sources, so that the build leaves nothing in the checkout."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        (source / name).write_bytes((ROOT / name).read_bytes())
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "fxpipe", source / "fxpipe", symlinks=True, ignore=skip)
+    shutil.copytree(PASSES, source / "passes", ignore=skip)
+    # the environment's setuptools where there is one, else pip fetches it
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation]
+        + ["-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("fxpipe-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        top_level = archive.read(next(n for n in names if n.endswith(".dist-info/top_level.txt")))
+        passes = {n: archive.read(n) for n in names if n.startswith("fxpipe/passes/")}
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"fxpipe", f"fxpipe-{wheel.name.split('-')[1]}.dist-info"}
+    assert top_level.decode().split() == ["fxpipe"]
+    assert passes == {f"fxpipe/passes/{p.name}": p.read_bytes() for p in PASSES.glob("*.py")}
+    assert "fxpipe/py.typed" in names
