@@ -328,7 +328,7 @@ def _unshared(state: Any, prefix: str) -> Any:
             continue
         where = (
             value.untyped_storage().data_ptr(),
-            value.storage_offset(),
+            int(value.storage_offset()),
             tuple(value.shape),
             tuple(value.stride()),
         )

@@ -300,12 +300,12 @@ def _named_keywords(
         return original(*args, **kwargs)
 
     forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
     try:
         yield
     finally:
         if had:
-            model.forward = original  # type: ignore[method-assign]
+            model.forward = original
         else:
             del model.forward
 
