@@ -61,7 +61,8 @@ class Pipeline(DropIn):
         follow: Follow | None = None,
     ) -> None:
         super().__init__()
-        chunks = plan.chunks  # what the example batch runs as: chunks, at most its size
+        # what the example batch runs as: chunks (the plan's by default), at most its size
+        chunks = min(run.chunks, plan.costs.batch_size) if run.chunks else plan.chunks
         self.module = model
         self.plan = plan
         self.devices = tuple(plan.devices)
