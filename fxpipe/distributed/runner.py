@@ -32,9 +32,9 @@ from fxpipe.distributed.strides import Strides, give_back, hand_out, received, s
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.runtime.variants import modes_of
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
-from fxpipe.variants import modes_of
 
 __all__ = ["DistributedPipeline"]
 
