@@ -36,7 +36,7 @@ from fxpipe.ir import (
     TracerName,
 )
 from fxpipe.model_state import preserved
-from fxpipe.options import PlanOptions, RunOptions
+from fxpipe.options import CompileChoice, PlanOptions, RunOptions
 from fxpipe.passes.partition.cost_graph import replicate_shared_weights, to_networkx
 from fxpipe.passes.partition.memory import memory_model
 from fxpipe.passes.partition.search import Partition, partition_graph
@@ -183,6 +183,7 @@ def pipeline(
     slack: float = 0.0,
     max_memory: MaxMemory = None,
     speed: Speed = None,
+    compile: CompileChoice = False,
 ) -> Pipeline:
     """Split ``model`` into stages over ``devices`` and return a drop-in ``nn.Module``.
 
@@ -241,6 +242,14 @@ def pipeline(
             second device is three times as fast): a stage's cost is its nodes' cost
             divided by its device's speed, so the split balances time, and
             ``StagePlan.cost`` is that time. Default: all 1.
+        compile: run each stage's forward through ``torch.compile``: ``True``, or a dict
+            of its settings (``backend``, default ``"inductor"``; ``mode``; ``dynamic``;
+            ``fullgraph``, default True here; ``options``). A stage compiles when first
+            called, once more when a size changes (the last, shorter micro-batch, another
+            batch size or sequence length: those sizes become symbolic, torch's automatic
+            dynamic shapes), and once per grad mode and training mode; then no more.
+            ``pipe.compilation`` counts and times it. A stage that does not compile runs
+            eagerly, with a ``CompileWarning`` naming it and the reason.
 
     Returns:
         The :class:`fxpipe.Pipeline`; ``pipe.plan`` is its :class:`fxpipe.PipelinePlan`.
@@ -259,6 +268,7 @@ def pipeline(
         checkpoint=checkpoint,
         deferred_batch_norm=deferred_batch_norm,
         output_device=output_device,
+        compile=compile,
     )
     options = PlanOptions(
         cost=cost,
@@ -471,7 +481,7 @@ def _follow(
     plan = leader.plan
     batch = plan.costs.batch_size
     example = _meta_example((args, dict(kwargs)), batch)
-    pricing = "roofline"
+    pricing: PricingMode = "roofline"
     with preserved(model), meta_view(model, live=True):
         front = traced_example(
             model, *example, tracer=_tracer(leader.traced.tracer), pricing=pricing,

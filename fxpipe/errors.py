@@ -18,6 +18,7 @@ __all__ = [
     "BatchStatisticsWarning",
     "ChunksWarning",
     "MemoryEstimateWarning",
+    "CompileWarning",
 ]
 
 
@@ -89,3 +90,8 @@ class MemoryEstimateWarning(FxPipeWarning):
     """A pipeline planned for inference (the model was in eval mode, or grad was disabled,
     when it was built) is training, and its split would not fit the devices' memory with
     gradients, optimizer state and stashed activations."""
+
+
+class CompileWarning(FxPipeWarning):
+    """A stage asked to run through ``torch.compile`` could not be compiled and runs
+    eagerly (its outputs are the same; only its speed differs)."""

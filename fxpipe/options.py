@@ -9,8 +9,8 @@ place. The choices themselves are the ``Literal`` types of :mod:`fxpipe.ir`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -31,7 +31,14 @@ from fxpipe.ir import (
     Traffic,
 )
 
-__all__ = ["PlanOptions", "RunOptions", "CostChoice", "default_chunks"]
+__all__ = [
+    "PlanOptions",
+    "RunOptions",
+    "CompileOptions",
+    "CompileChoice",
+    "CostChoice",
+    "default_chunks",
+]
 
 #: A cost mode, or a callable pricing one fx node.
 CostChoice = CostMode | Callable[[fx.Node], float]
@@ -101,6 +108,8 @@ class RunOptions:
     deferred_batch_norm: bool = False
     #: Where outputs are gathered (None: the first tensor argument's device).
     output_device: torch.device | None = None
+    #: Each stage's forward through ``torch.compile`` (None: run eagerly).
+    compile: CompileOptions | None = None
 
     def __post_init__(self) -> None:
         check_chunks(self.chunks)
@@ -109,6 +118,8 @@ class RunOptions:
             raise ConfigError(
                 f"deferred_batch_norm={self.deferred_batch_norm!r} must be True or False"
             )
+        if self.compile is not None and not isinstance(self.compile, CompileOptions):
+            raise ConfigError(f"compile={self.compile!r} must be a CompileOptions record")
 
     @staticmethod
     def of(
@@ -117,10 +128,86 @@ class RunOptions:
         checkpoint: CheckpointMode,
         deferred_batch_norm: bool,
         output_device: str | int | torch.device | None,
+        compile: CompileChoice = False,
     ) -> RunOptions:
-        """The record from the public keywords (``output_device`` parsed)."""
+        """The record from the public keywords (``output_device`` and ``compile`` parsed)."""
         device = None if output_device is None else parse_device(output_device)
-        return RunOptions(chunks, checkpoint, deferred_batch_norm, device)
+        compiled = CompileOptions.of(compile)
+        return RunOptions(chunks, checkpoint, deferred_batch_norm, device, compiled)
+
+
+#: The modes ``torch.compile`` takes (None: its default).
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How each stage's forward goes through ``torch.compile``. Checked when made.
+
+    The fields are ``torch.compile``'s own, except ``fullgraph``, which defaults to True
+    here: a stage graph is flat torch ops, so a graph break means a module torch cannot
+    compile, and a whole-graph compile fails before anything of the stage has run, so the
+    stage can then run eagerly instead (with one warning) without having changed a buffer
+    twice. With ``dynamic=None`` a stage's micro-batch rows are symbolic from its first
+    compile (the last, shorter micro-batch and other batch sizes reuse the graph); other
+    sizes (a sequence length) become symbolic the second time they change, torch's
+    automatic dynamic shapes (:mod:`fxpipe.runtime.compiled`).
+    """
+
+    backend: str | Callable[..., Any] = "inductor"
+    mode: str | None = None
+    dynamic: bool | None = None
+    fullgraph: bool = True
+    #: The backend's options (``torch.compile(options=...)``; inductor's config keys).
+    options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not (callable(self.backend) or isinstance(self.backend, str)):
+            raise ConfigError(
+                f"compile backend={self.backend!r} must be a backend name "
+                "(torch._dynamo.list_backends()) or a callable backend"
+            )
+        if self.mode not in COMPILE_MODES:
+            raise ConfigError(f"compile mode={self.mode!r} is not one of {COMPILE_MODES}")
+        if self.mode is not None and self.options:
+            raise ConfigError(
+                f"compile mode={self.mode!r} and options={dict(self.options)!r} were both "
+                "given; torch.compile takes one of them: pass the mode's settings in options"
+            )
+        if self.dynamic not in (None, True, False):
+            raise ConfigError(f"compile dynamic={self.dynamic!r} must be None, True or False")
+        if not isinstance(self.fullgraph, bool):
+            raise ConfigError(f"compile fullgraph={self.fullgraph!r} must be a bool")
+        if self.options is not None and not isinstance(self.options, Mapping):
+            raise ConfigError(f"compile options={self.options!r} must be a dict")
+
+    @staticmethod
+    def of(value: CompileChoice) -> CompileOptions | None:
+        """The record for ``compile=``: False (or None) for none, True for the defaults,
+        a dict of this record's fields, or a record."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return CompileOptions()
+        if isinstance(value, CompileOptions):
+            return value
+        if isinstance(value, Mapping):
+            names = [f.name for f in fields(CompileOptions)]
+            unknown = sorted(str(k) for k in value if k not in names)
+            if unknown:
+                raise ConfigError(
+                    f"compile={dict(value)!r} has keys {unknown} that torch.compile settings "
+                    f"here do not have; use {names}"
+                )
+            return CompileOptions(**value)
+        raise ConfigError(
+            f"compile={value!r} must be True, False or a dict of torch.compile settings "
+            "(backend, mode, dynamic, fullgraph, options)"
+        )
+
+
+#: What ``compile=`` takes.
+CompileChoice = bool | Mapping[str, Any] | CompileOptions | None
 
 
 def default_chunks(stages: int, batch: int) -> int:

@@ -28,6 +28,7 @@ from fxpipe.interop.trainers import DropIn
 from fxpipe.ir import CHECKPOINT_MODES, CheckpointMode, PipelinePlan, StageProgram, ValueRef
 from fxpipe.options import RunOptions, check_choice
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.compiled import StageCompilation, compile_stages
 from fxpipe.runtime.executor import Executor
 from fxpipe.runtime.microbatch import gather, scatter
 from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
@@ -101,12 +102,10 @@ class Pipeline(DropIn):
         if self._run_options.deferred_batch_norm:
             for module in program.modules:
                 convert_deferred_batch_norm(module)
-        executor = Executor(
-            program,
-            self.devices,
-            self.checkpoint,
-            labels=[_stage_label(plan, j) for j in range(plan.num_stages)],
-        )
+        labels = [_stage_label(plan, j) for j in range(plan.num_stages)]
+        compiled = self._run_options.compile
+        compilation = () if compiled is None else compile_stages(program.modules, labels, compiled)
+        executor = Executor(program, self.devices, self.checkpoint, labels=labels)
         executor.recorder = self._recorder
         if self._use_threads is not None:
             executor.use_threads = self._use_threads
@@ -116,7 +115,7 @@ class Pipeline(DropIn):
         statistics = BatchStatistics.of(traced)
         if variants is not None:
             statistics.warned = variants.first.statistics.warned
-        return Variant(modes, traced, plan, program, executor, statistics)
+        return Variant(modes, traced, plan, program, executor, statistics, compilation)
 
     @property
     def _traced(self) -> Traced:
@@ -136,6 +135,13 @@ class Pipeline(DropIn):
         is :attr:`plan`), and one for each other set of training modes or call structure it
         was called with (:mod:`fxpipe.runtime.variants`)."""
         return tuple(self._variants.all)
+
+    @property
+    def compilation(self) -> tuple[StageCompilation, ...]:
+        """With ``compile=``: what compiling each stage came to (graphs compiled, seconds,
+        or why it runs eagerly), the first variant's stages first, then each other
+        variant's (empty without ``compile=``)."""
+        return tuple(c for v in self._variants.all for c in v.compilation)
 
     @property
     def stages(self) -> tuple[torch.fx.GraphModule, ...]:

@@ -25,6 +25,7 @@ from torch import nn
 from fxpipe.devices.targets import same_device
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.runtime.compiled import StageCompilation
 from fxpipe.runtime.executor import Executor
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.tracing import Traced
@@ -56,6 +57,8 @@ class Variant:
     program: StageProgram
     executor: Executor
     statistics: BatchStatistics
+    #: With ``compile=``: each stage's compilation record (:mod:`fxpipe.runtime.compiled`).
+    compilation: tuple[StageCompilation, ...] = ()
     #: The values the stages return that the output is made of.
     wanted: list[str] = field(default_factory=list)
 
