@@ -229,3 +229,28 @@ def test_inductor_stages_equal_the_uncompiled_pipeline_within_float32_tolerance(
         for name in grads:
             torch.testing.assert_close(grads[name], want_grads[name], msg=name)
     assert all(r.compiled and r.graphs > 0 and r.seconds > 0 for r in pipe.compilation)
+
+
+@pytest.mark.slow
+def test_inductor_dropout_recomputes_the_masks_of_its_forward() -> None:
+    """Inductor draws dropout masks its own way (not eager's), from seeds it takes from
+    torch's generator: the recompute of a checkpointed stage, run from the forward's RNG
+    state, must draw the same masks, so checkpoint="always" equals "never" exactly."""
+    torch.manual_seed(7)
+    model = Net(p=0.5, batch_norm=False)
+    x = torch.randn(8, 16)
+    results = []
+    for checkpoint in ("always", "never"):
+        copied = copy.deepcopy(model)
+        pipe = fxpipe.pipeline(copied, x, CPU2, chunks=2, checkpoint=checkpoint, compile=True)
+        torch.manual_seed(8)
+        results.append(_step(pipe, x))
+        assert all(r.compiled for r in pipe.compilation)
+    (out, grads), (want, want_grads) = results
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for name in want_grads:
+        torch.testing.assert_close(grads[name], want_grads[name], rtol=0, atol=0, msg=name)
+    pipe.eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
