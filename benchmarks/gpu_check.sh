@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything fxpipe checks on a CUDA machine, in one run of a few minutes: the quickstart on
-# the GPUs present, the CUDA-marked tests, the GPU benchmark (python -m benchmarks.gpu), then
+# the GPUs present, the CUDA-marked tests, the GPU benchmark (python -m benchmarks.gpu), the
+# compiled-stages benchmark on the GPU (python -m benchmarks.compile --device cuda), then
 # the whole suite with CUDA visible (on several workers when pytest-xdist is installed). Logs
 # and JSON go to $OUT (default /tmp/fxpipe-gpu); a short summary is printed last.
 #
@@ -48,6 +49,11 @@ step cuda_tests 150 "$PY" -m pytest -q -m cuda "${workers[@]}" tests
 if [ -z "${SKIP_BENCH:-}" ]; then
     TAIL=40 step gpu_bench 170 sh -c 'cd "$1" && shift && exec "$@"' sh "$BENCH_DIR" \
         "$PY" -m benchmarks.gpu --out "$OUT/gpu.json" --budget-s 110
+fi
+if [ -z "${SKIP_COMPILE:-}" ]; then  # compiled stages: the GPU column of benchmarks.compile
+    TAIL=30 step compile_bench "${COMPILE_S:-240}" sh -c 'cd "$1" && shift && exec "$@"' sh \
+        "$BENCH_DIR" "$PY" -m benchmarks.compile --device cuda --repeats 10 \
+        --out "$OUT/compile_cuda.json"
 fi
 if [ -z "${SKIP_SUITE:-}" ]; then
     # -v: one line per finished test, so a run cut short still says what failed

@@ -1,0 +1,404 @@
+"""Compiled stages: the step time of a pipeline whose stages run through ``torch.compile``,
+beside the eager model, ``torch.compile(model)`` and the uncompiled pipeline, in one run.
+
+Run from the repository root::
+
+    python -m benchmarks.compile [--out PATH] [--repeats N] [--device cpu|cuda]
+                                 [--models cnn,decoder,encoder]
+
+Per model (a small ResNet-like CNN, a GPT-2 decoder and a BERT encoder from transformers
+configs, their losses inside the model for the two transformers ones), variants of one
+training step (forward, loss, backward, gradients zeroed first), on one device:
+
+- ``eager``: the model; ``compiled``: ``torch.compile(model)`` (inductor, default settings);
+- ``compiled by hand M=4``: that compiled model over 4 micro-batches one after another,
+  gradients accumulating: what micro-batching costs on one device whatever runs it;
+- ``pipeline M=m`` and ``compiled pipeline M=m`` for m = 1 and 4: ``fxpipe.pipeline`` over
+  2 stages on the device, ``chunks=m``, ``checkpoint="never"`` (on one device there is
+  nothing to overlap, and checkpointing only adds the recomputation), without and with
+  ``compile=True``.
+
+The targets (issue "compiled stages"): the compiled pipeline at most 0.85x the pipeline on
+at least two of the three models, and at most 1.05x ``torch.compile(model)``, both at M=1,
+where the pipeline runs what the model runs; at M=4 the same ratios are printed beside the
+bound, ``compiled by hand M=4`` over ``compiled``, and the compiled pipeline is compared
+with that by-hand run, so that the pipeline's own overhead shows apart from micro-batching's.
+
+Every pipeline runs on its own copy of the model (the compiled model on the eager one). The
+first two steps of each compiled variant are timed apart (compilation happens there;
+``pipe.compilation`` adds the seconds the backend spent per stage), and each compiled
+pipeline's graph count is read again after the timed steps: a recompilation would show.
+Before timing, one step of each compiled pipeline is compared with its uncompiled twin on
+the same batch (the loss and every gradient, relative error).
+
+The steps then alternate round by round (``benchmarks.harness.timing``: the ratio is the
+median of per-round ratios, since these machines are shared and noisy), with one thread on
+CPU. The rows go to ``benchmarks/results/compile.json`` (``compile_cuda.json`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from benchmarks.harness.machine import library_versions, usable_cores
+from benchmarks.harness.output import command_line, format_table, result_path, save_json
+from benchmarks.harness.timing import ratio_row, time_interleaved
+
+#: Targets: compiled pipeline over pipeline (on at least MODELS_AT_TARGET models) and over
+#: torch.compile(model).
+OVER_PIPELINE = 0.85
+OVER_COMPILED_MODEL = 1.05
+MODELS_AT_TARGET = 2
+BATCH, CHUNKS, LENGTH = 16, 4, 64
+
+Batch = tuple[tuple[Any, ...], dict[str, Any]]
+Loss = Callable[[Any], torch.Tensor]
+
+
+class _Block(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.skip = (
+            nn.Identity()
+            if stride == 1 and c_in == c_out
+            else nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + self.skip(x))
+
+
+class SmallResNet(nn.Module):
+    """Four residual blocks of 3x3 convolutions, BatchNorm and ReLU over 32x32 images."""
+
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width))
+        self.blocks = nn.Sequential(
+            _Block(width, width, 1),
+            _Block(width, 2 * width, 2),
+            _Block(2 * width, 2 * width, 1),
+            _Block(2 * width, 4 * width, 2),
+        )
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(F.relu(self.stem(x)))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def _cnn() -> tuple[nn.Module, Batch, Loss]:
+    # a cross-entropy against class 0: no labels to split with the micro-batches by hand
+    return SmallResNet(), ((torch.randn(BATCH, 3, 32, 32),), {}), _class_zero
+
+
+def _class_zero(out: torch.Tensor) -> torch.Tensor:
+    return (out.logsumexp(dim=-1) - out[:, 0]).mean()
+
+
+def _text_batch(vocab: int, labels: torch.Tensor | None = None) -> dict[str, Any]:
+    ids = torch.randint(1, vocab, (BATCH, LENGTH))
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    mask[1, LENGTH - 9 :] = 0  # one padded sequence
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": ids.masked_fill(mask == 0, -100) if labels is None else labels,
+    }
+
+
+def _decoder() -> tuple[nn.Module, Batch, Loss]:
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=128, n_head=4, vocab_size=2000, n_positions=128, use_cache=False,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config), ((), _text_batch(2000)), lambda out: out.loss
+
+
+def _encoder() -> tuple[nn.Module, Batch, Loss]:
+    import transformers
+
+    config = transformers.BertConfig(
+        num_hidden_layers=4, hidden_size=128, intermediate_size=512, num_attention_heads=4,
+        vocab_size=2000, max_position_embeddings=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0, num_labels=4,
+    )  # fmt: skip
+    batch = _text_batch(2000, labels=torch.randint(0, 4, (BATCH,)))
+    model = transformers.BertForSequenceClassification(config)
+    return model, ((), batch), lambda out: out.loss
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, Batch, Loss]]] = {
+    "cnn": _cnn,
+    "decoder": _decoder,
+    "encoder": _encoder,
+}
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _step(
+    module: nn.Module, params: nn.Module, batch: Batch, loss: Loss, device: torch.device
+) -> Callable[[], torch.Tensor]:
+    """One training step of ``module`` (whose parameters ``params`` holds)."""
+    args, kwargs = batch
+
+    def step() -> torch.Tensor:
+        params.zero_grad(set_to_none=True)
+        value = loss(module(*args, **kwargs))
+        value.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return value.detach()
+
+    return step
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+Step = Callable[[], torch.Tensor]
+
+
+def _agreement(
+    pipe_step: Step, plain: nn.Module, compiled_step: Step, mine: nn.Module
+) -> dict[str, float]:
+    """The compiled pipeline's loss and gradients against the pipeline's, one step each:
+    the loss's relative error, and the gradients' as one vector (a single parameter's own
+    relative error means little where its gradient is nearly zero, as a convolution's
+    before a BatchNorm)."""
+    want, got = pipe_step(), compiled_step()
+    pairs = [
+        (p.grad.flatten(), q.grad.flatten())
+        for p, q in zip(mine.parameters(), plain.parameters(), strict=True)
+        if q.grad is not None and p.grad is not None
+    ]
+    mine_grads = torch.cat([a for a, _ in pairs])
+    plain_grads = torch.cat([b for _, b in pairs])
+    return {"loss": _relative(got, want), "grad": _relative(mine_grads, plain_grads)}
+
+
+def _first_steps(step: Callable[[], torch.Tensor]) -> float:
+    start = time.perf_counter()
+    step()
+    step()
+    return time.perf_counter() - start
+
+
+def _by_hand(
+    module: nn.Module, params: nn.Module, batch: Batch, loss: Loss, device: torch.device
+) -> Step:
+    """One training step of ``module`` over CHUNKS micro-batches run one after another by
+    hand (gradients accumulating): what micro-batching costs on one device, any runtime."""
+    args, kwargs = batch
+
+    def part(value: Any, i: int) -> Any:
+        return value.tensor_split(CHUNKS)[i] if isinstance(value, torch.Tensor) else value
+
+    def step() -> torch.Tensor:
+        params.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=device)
+        for i in range(CHUNKS):
+            chunk_args = tuple(part(a, i) for a in args)
+            chunk_kwargs = {k: part(v, i) for k, v in kwargs.items()}
+            value = loss(module(*chunk_args, **chunk_kwargs))
+            value.backward()
+            total += value.detach()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return total
+
+    return step
+
+
+def measure(name: str, repeats: int, device: torch.device) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model, (args, kwargs), loss = MODELS[name]()
+    model = model.to(device).train()
+    batch: Batch = (
+        tuple(_on(a, device) for a in args),
+        {k: _on(v, device) for k, v in kwargs.items()},
+    )
+    compiled_model = torch.compile(model)
+    steps: dict[str, Step] = {
+        "eager": _step(model, model, batch, loss, device),
+        "compiled": _step(compiled_model, model, batch, loss, device),
+        f"compiled by hand M={CHUNKS}": _by_hand(compiled_model, model, batch, loss, device),
+    }
+    pipes: dict[str, tuple[fxpipe.Pipeline, nn.Module]] = {}
+    for m in (1, CHUNKS):
+        for compiled in (False, True):
+            key = f"{'compiled pipeline' if compiled else 'pipeline'} M={m}"
+            copied = copy.deepcopy(model)
+            pipe = fxpipe.pipeline(
+                copied, batch[0], [device, device], chunks=m, checkpoint="never",
+                example_kwargs=batch[1], compile=compiled,
+            )  # fmt: skip
+            pipes[key] = (pipe, copied)
+            steps[key] = _step(pipe, copied, batch, loss, device)
+    compiled_keys = [k for k in steps if k.startswith("compiled")]
+    first = {k: _first_steps(steps[k]) for k in compiled_keys}
+    mine = [k for k in pipes if k.startswith("compiled")]
+    after_two = {k: sum(c.graphs for c in pipes[k][0].compilation) for k in mine}
+    agreement = {
+        k: _agreement(steps[k.removeprefix("compiled ")], pipes[k.removeprefix("compiled ")][1],
+                      steps[k], pipes[k][1])
+        for k in mine
+    }  # fmt: skip
+    times = time_interleaved(nn.Module(), steps, repeats, budget_s=120.0)
+    hand = f"compiled by hand M={CHUNKS}"
+    table = [
+        ("compiled pipeline M=1", "pipeline M=1", OVER_PIPELINE),
+        ("compiled pipeline M=1", "compiled", OVER_COMPILED_MODEL),
+        (f"compiled pipeline M={CHUNKS}", f"pipeline M={CHUNKS}", OVER_PIPELINE),
+        (f"compiled pipeline M={CHUNKS}", hand, OVER_COMPILED_MODEL),
+        (hand, "compiled", None),  # the bound: micro-batches on one device, any runtime
+        ("pipeline M=1", "eager", None),
+        ("compiled", "eager", None),
+    ]
+    rows = [ratio_row(f"{name}: {v} / {b}", times, v, b, t) for v, b, t in table]
+    for row in rows:
+        key = row["variant"]
+        row.update(model=name, step_ms={k: 1e3 * statistics.median(v) for k, v in
+                                        times["wall"].items()})  # fmt: skip
+        if key in pipes and key in mine:
+            pipe = pipes[key][0]
+            row.update(
+                first_two_steps_s=first[key],
+                model_first_two_steps_s=first["compiled"],
+                stage_compile_s=[round(c.seconds, 2) for c in pipe.compilation],
+                stages_compiled=[c.compiled for c in pipe.compilation],
+                graphs_after_two_steps=after_two[key],
+                recompiled_after_two_steps=sum(c.graphs for c in pipe.compilation)
+                - after_two[key],
+                agreement=agreement[key],
+            )
+    return rows
+
+
+def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    def ratios(variant: str, baseline: str) -> list[float]:
+        return [r["ratio"] for r in rows if (r["variant"], r["baseline"]) == (variant, baseline)]
+
+    over_pipe = ratios("compiled pipeline M=1", "pipeline M=1")
+    met = sum(r <= OVER_PIPELINE for r in over_pipe)
+    worst = max(ratios("compiled pipeline M=1", "compiled"), default=float("nan"))
+    mine = [r for r in rows if "recompiled_after_two_steps" in r and r["baseline"] != "compiled"]
+    recompiled = sum(r["recompiled_after_two_steps"] for r in mine)
+    pipe4 = sum(r <= OVER_PIPELINE for r in ratios(f"compiled pipeline M={CHUNKS}",
+                                                     f"pipeline M={CHUNKS}"))  # fmt: skip
+    hand = ratios(f"compiled pipeline M={CHUNKS}", f"compiled by hand M={CHUNKS}")
+    bound = ratios(f"compiled by hand M={CHUNKS}", "compiled")
+    return [
+        f"M=1: compiled pipeline / pipeline <= {OVER_PIPELINE} on {met} of {len(over_pipe)} "
+        f"models (target >= {MODELS_AT_TARGET}): {'PASS' if met >= MODELS_AT_TARGET else 'MISS'}",
+        f"M=1: compiled pipeline / torch.compile(model): worst {worst:.3f} (target <= "
+        f"{OVER_COMPILED_MODEL}): {'PASS' if worst <= OVER_COMPILED_MODEL else 'MISS'}",
+        f"M={CHUNKS}: compiled pipeline / pipeline <= {OVER_PIPELINE} on {pipe4} of "
+        f"{len(over_pipe)} models; over torch.compile(model) by hand in micro-batches: worst "
+        f"{max(hand, default=float('nan')):.3f}; that by hand over the whole batch (the bound "
+        f"of any runtime at M={CHUNKS} on one device): " + ", ".join(f"{b:.3f}" for b in bound),
+        f"graphs compiled after the first two steps: {recompiled} (target 0): "
+        f"{'PASS' if recompiled == 0 else 'MISS'}",
+    ]
+
+
+def _print(rows: list[dict[str, Any]], device: torch.device) -> None:
+    columns = [
+        ("row", lambda r: r["row"]),
+        ("variant ms", lambda r: f"{r['variant_ms']:.1f}"),
+        ("baseline ms", lambda r: f"{r['baseline_ms']:.1f}"),
+        ("ratio", lambda r: f"{r['ratio']:.3f}"),
+        ("q1-q3", lambda r: "-".join(f"{q:.3f}" for q in r["ratio_q1_q3"])),
+        ("cpu ratio", lambda r: f"{r['cpu_ratio']:.3f}"),
+        ("target", lambda r: "-" if r["target"] is None else f"<= {r['target']}"),
+        ("rounds", lambda r: str(r["rounds"])),
+    ]
+    print(f"\nstep time on {device} (one training step; median of per-round ratios)")
+    print(format_table(rows, columns, left=1))
+    print("\ncompilation")
+    seen = [r for r in rows if "agreement" in r and r["baseline"].startswith("pipeline")]
+    compile_columns = [
+        ("model", lambda r: r["model"]),
+        ("variant", lambda r: r["variant"]),
+        ("torch.compile 2 steps s", lambda r: f"{r['model_first_two_steps_s']:.1f}"),
+        ("first 2 steps s", lambda r: f"{r['first_two_steps_s']:.1f}"),
+        ("stage backend s", lambda r: ", ".join(f"{s:.1f}" for s in r["stage_compile_s"])),
+        ("graphs", lambda r: str(r["graphs_after_two_steps"])),
+        ("recompiled after", lambda r: str(r["recompiled_after_two_steps"])),
+        ("loss rel err", lambda r: f"{r['agreement']['loss']:.1e}"),
+        ("grad rel err", lambda r: f"{r['agreement']['grad']:.1e}"),
+    ]
+    print(format_table(seen, compile_columns, left=2))
+    print()
+    for line in _verdicts(rows):
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument(
+        "--warm-cache", action="store_true",
+        help="keep torch's compile caches (default: a fresh one, so compile times are cold)",
+    )  # fmt: skip
+    a = parser.parse_args(argv)
+    if not a.warm_cache:  # read when inductor first compiles, after this
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    device = torch.device(a.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    rows: list[dict[str, Any]] = []
+    for name in a.models.split(","):
+        print(f"{name}: building, compiling and timing ...", flush=True)
+        try:
+            rows.extend(measure(name, a.repeats, device))
+        except ImportError as exc:  # transformers, on a machine without it
+            print(f"{name}: skipped ({exc})")
+    _print(rows, device)
+    name = "compile" if device.type == "cpu" else f"compile_{device.type}"
+    out = Path(a.out) if a.out else result_path(name)
+    meta = {
+        "command": command_line(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cores": usable_cores(),
+        "threads": torch.get_num_threads(),
+        "compile_cache": "warm" if a.warm_cache else "cold",
+        "python": platform.python_version(),
+        **library_versions(("torch", "transformers")),
+        "verdicts": _verdicts(rows),
+    }
+    return save_json(out, {"meta": meta, "rows": rows})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
