@@ -20,7 +20,7 @@ from fxpipe.ir import CheckpointMode, CostMode, TracerName
 from fxpipe.views import cli
 from fxpipe.views.factory import load_factory, parse_shape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "examples/factories.py:unet"
 FAST = ["--shape", "2,3,16,16", "--devices", "cpu,cpu", "--cost", "flops"]
 
