@@ -70,6 +70,15 @@ def bottleneck(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> float:
     return max(cost)
 
 
+def brute_time(g: nx.DiGraph, stage_of: dict[str, int], speeds: list[float]) -> float:
+    """The bottleneck of a split on devices of relative ``speeds``: the largest stage cost
+    over its device's speed."""
+    cost = [0.0] * len(speeds)
+    for name in compute_nodes(g):
+        cost[stage_of[name]] += g.nodes[name]["weight"]
+    return max(c / v for c, v in zip(cost, speeds))
+
+
 def relay_bytes(g: nx.DiGraph, stage_of: dict[str, int], k: int) -> float:
     """Bytes crossing every border: a value crosses each border between its producer's stage
     (0 for the model input) and its last reader's (k - 1 when the output reads it)."""

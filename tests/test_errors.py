@@ -1,12 +1,9 @@
 """Bad input, refused clearly: every case raises an ``FxPipeError`` (a user mistake is also a
 ``ValueError`` or ``TypeError``) whose message names the offending value, and leaves the model
 exactly as it was: ``state_dict`` values, parameter and buffer devices and objects, and the
-``training`` flag of every submodule. Then what looks like bad input but is not: batches
-smaller than ``chunks``, in-place writes next to stage borders, outputs that are not all
-tensors, frozen parameters; these must equal eager.
-
-The models use mixed training flags (the model in train mode, one submodule in eval), so a
-``train()`` or ``eval()`` that is not undone shows.
+``training`` flag of every submodule (the models and the snapshot: error_models.py). What
+looks like bad input but is not: test_not_errors.py; the command line's refusals:
+views/test_cli.py.
 """
 
 from __future__ import annotations
@@ -15,18 +12,27 @@ import copy
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import sweep
+from error_models import (
+    Counter,
+    DataDependent,
+    Keyed,
+    Nothing,
+    Outputs,
+    Pair,
+    Snapshot,
+    Steps,
+    X,
+    net,
+    pair_example,
+)
 from models import ZOO, FixedRows
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import fxpipe
-from fxpipe.api import compile_model
 from fxpipe.errors import (
     ConfigError,
     DeviceError,
@@ -36,144 +42,9 @@ from fxpipe.errors import (
     StageRunError,
     TraceError,
 )
-from fxpipe.options import PlanOptions, RunOptions
-from fxpipe.views import cli
 
 CPU2 = ["cpu", "cpu"]
 CUDA_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-# ------------------------------------------------------------------------------- models
-
-
-class Net(nn.Module):
-    """Three blocks with a skip from the first to the head; ``blocks[1]`` is left in eval."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0)) for _ in range(3)
-        )
-        self.head = nn.Linear(8, 2)
-        self.register_buffer("scale", torch.full((8,), 0.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h0 = torch.tanh(self.inp(x))
-        h = h0
-        for block in self.blocks:
-            h = h + torch.tanh(block(h)) * self.scale
-        return self.head(h + h0)
-
-
-def net() -> Net:
-    torch.manual_seed(0)
-    model = Net()
-    model.train()
-    model.blocks[1].eval()
-    return model
-
-
-X = torch.randn(6, 4)
-
-
-class Gate(nn.Module):
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if h.sum() > 0:  # a Python branch on a tensor's value
-            return h
-        return -h
-
-
-class DataDependent(nn.Module):
-    """Data-dependent Python control flow inside a submodule: no tracer can capture it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.gate = Gate()
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.gate(self.fc(x)))
-
-
-class Counter(Net):
-    """Counts its calls in a buffer with a plain tensor op (fx runs it once, at trace time)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.steps += 1
-        return super().forward(x)
-
-
-class Pair(nn.Module):
-    """Two tensor inputs and a keyword-only scale."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.c = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.a(x)) + self.b(y) * scale)
-
-
-def pair_example(batch: int = 6) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    x, y, s = (torch.randn(batch, 4, generator=g) for _ in range(3))
-    return (x, y), {"scale": s}
-
-
-class Steps(nn.Module):
-    """A non-tensor argument that is fixed at trace time."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor, num_steps: int = 2) -> torch.Tensor:
-        for _ in range(num_steps):
-            x = torch.tanh(self.fc(x))
-        return self.out(x)
-
-
-class Outputs(nn.Module):
-    """Returns ``what(h)`` next to a tensor, for outputs that are not per-sample tensors."""
-
-    def __init__(self, what: Callable[[torch.Tensor], Any]) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.what = what
-
-    def forward(self, x: torch.Tensor) -> Any:
-        h = self.b(torch.tanh(self.a(x)))
-        return h, self.what(h)
-
-
-class Nothing(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> str:
-        return "nothing computed"
-
-
-class Keyed(nn.Module):
-    """Takes one dict argument."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 2)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(batch["x"])) * batch["scale"])
 
 
 def _keyed_call(model: nn.Module) -> Any:
@@ -541,35 +412,6 @@ CATALOGUE: dict[str, Bad] = {
 }
 
 
-@dataclass
-class Snapshot:
-    """Everything about a model that an error must leave as it was."""
-
-    state: dict[str, torch.Tensor]
-    tensors: dict[str, tuple[int, torch.device]]
-    training: dict[str, bool]
-    modules: dict[str, int]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> Snapshot:
-        return cls(
-            {k: v.detach().clone() for k, v in model.state_dict().items()},
-            {k: (id(t), t.device) for k, t in [*model.named_parameters(), *model.named_buffers()]},
-            {name: m.training for name, m in model.named_modules()},
-            {name: id(m) for name, m in model.named_modules()},
-        )
-
-    def assert_same(self, model: nn.Module) -> None:
-        state = model.state_dict()
-        assert list(state) == list(self.state)
-        for key, value in self.state.items():
-            assert torch.equal(state[key], value), f"{key} changed"
-        tensors = [*model.named_parameters(), *model.named_buffers()]
-        assert {k: (id(t), t.device) for k, t in tensors} == self.tensors
-        assert {name: m.training for name, m in model.named_modules()} == self.training
-        assert {name: id(m) for name, m in model.named_modules()} == self.modules
-
-
 @pytest.mark.parametrize("case", list(CATALOGUE), ids=list(CATALOGUE))
 def test_bad_input_is_refused_clearly_and_leaves_the_model_as_it_was(case: str) -> None:
     bad = CATALOGUE[case]
@@ -685,293 +527,3 @@ def test_a_parameter_or_buffer_replaced_after_pipeline_is_detected(attribute: st
     setattr(model, attribute, nn.Parameter(new) if attribute == "w" else new)
     with pytest.raises(FxPipeError, match="changed"):
         pipe(X)
-
-
-# ----------------------------------------------------------------------------- the CLI
-
-FACTORIES = """
-import torch
-from torch import nn
-
-
-class Gate(nn.Module):
-    def forward(self, h):
-        if h.sum() > 0:
-            return h
-        return -h
-
-
-class Untraceable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.gate = Gate()
-
-    def forward(self, x):
-        return self.gate(self.fc(x))
-
-
-class Mean(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.fc(x), self.fc(x).mean().item()
-
-
-def untraceable():
-    return Untraceable()
-
-
-def small():
-    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-
-
-def mean():
-    return Mean()
-"""
-
-CLI_CASES = {
-    "untraceable model": (["untraceable", "--shape", "4,4"], r"(?s)could not trace .*'gate'"),
-    "more devices than cut points": (
-        ["small", "--shape", "4,4", "--devices", ",".join(["cpu"] * 9)],
-        r"at most \d+ stages",
-    ),
-    "output read out of a tensor": (["mean", "--shape", "4,4"], "'item'"),
-    "keyword inputs not a dict": (
-        ["small", "--shape", "4,4", "--kwargs", "[1, 2]"],
-        "--kwargs must be a dict",
-    ),
-    "devices name no device": (["small", "--shape", "4,4", "--devices", " , "], "no device"),
-    "run on an absent GPU": (
-        ["small", "--shape", "4,4", "--devices", f"cpu,cuda:{CUDA_COUNT}", "--run"],
-        "not present",
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(CLI_CASES), ids=list(CLI_CASES))
-def test_the_cli_refuses_bad_input_with_exit_2_and_one_line(
-    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The command line turns the same errors into ``error: ...`` and exit status 2."""
-    factories = tmp_path / "factories.py"
-    factories.write_text(FACTORIES)
-    name, *rest = CLI_CASES[case][0]
-    code = cli.main(["inspect", f"{factories}:{name}", "--cost", "flops", *rest])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    assert err.startswith("error: ") and "Traceback" not in err
-    assert re.search(CLI_CASES[case][1], err), err
-
-
-# ------------------------------------------------ not errors: these must equal eager
-
-
-def assert_equals_eager(
-    pipe: fxpipe.Pipeline, model: nn.Module, twin: nn.Module, *args: Any, **kwargs: Any
-) -> None:
-    """Outputs, and every parameter gradient (float64: to 1e-10), equal the eager twin's."""
-    for p in [*model.parameters(), *twin.parameters()]:
-        p.grad = None
-    got = pipe(*copy.deepcopy(args), **kwargs)
-    want = twin(*copy.deepcopy(args), **kwargs)
-    got_leaves, got_spec = tree_flatten(got)
-    want_leaves, want_spec = tree_flatten(want)
-    assert got_spec == want_spec
-    loss_got, loss_want = (
-        torch.zeros((), dtype=torch.float64),
-        torch.zeros((), dtype=torch.float64),
-    )
-    for g, w in zip(got_leaves, want_leaves, strict=True):
-        if isinstance(w, torch.Tensor):
-            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
-            weights = torch.linspace(-1, 1, w.numel(), dtype=w.dtype).reshape(w.shape)
-            loss_got, loss_want = loss_got + (g * weights).sum(), loss_want + (w * weights).sum()
-        else:
-            assert g == w
-    loss_got.backward()
-    loss_want.backward()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-        if q.grad is None:
-            assert p.grad is None, name
-        else:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
-
-
-def _twins(factory: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(0)
-    model = factory().double()
-    return model, copy.deepcopy(model)
-
-
-@pytest.mark.parametrize("batch", [1, 3, 7])
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_a_batch_smaller_than_chunks_works_and_equals_eager(batch: int, checkpoint: str) -> None:
-    model, twin = _twins(Net)
-    x = torch.randn(8, 4, dtype=torch.float64)
-    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=8, checkpoint=checkpoint, cost="flops")
-    assert_equals_eager(pipe, model, twin, x[:batch])
-
-
-def _layers(n: int) -> nn.ModuleList:
-    return nn.ModuleList(nn.Linear(6, 6) for _ in range(n))
-
-
-class ReluUnused(nn.Module):
-    """``h.relu_()`` with its result unused; ``h`` is read before and after."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = _layers(6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.l[0](x) + 1
-        a = self.l[1](h * 2)
-        b = self.l[2](a)
-        h.relu_()
-        c = self.l[3](b)
-        return self.l[5](self.l[4](c) + h)
-
-
-class AddIntermediate(nn.Module):
-    """``h.add_(1)`` on an intermediate a later stage reads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = _layers(6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.l[0](x) + 1
-        b = self.l[2](self.l[1](h * 2))
-        h.add_(1)
-        c = self.l[3](b)
-        return self.l[5](self.l[4](c) * h)
-
-
-class InplaceReluBeforeResidual(nn.Module):
-    """``nn.ReLU(inplace=True)`` on a value a residual reads again later."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = _layers(6)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.l[1](self.l[0](x)) + 0
-        t = self.l[2](h * 1)
-        u = self.relu(h)
-        w = self.l[4](self.l[3](u)) + h + t
-        return self.l[5](w)
-
-
-class WritesItsInput(nn.Module):
-    """Scales its input in place before using it twice (legal: the input needs no grad)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = _layers(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x.mul_(2)
-        g = self.l[1](self.l[0](x))
-        return self.l[3](self.l[2](g) + x)
-
-
-INPLACE = [ReluUnused, AddIntermediate, InplaceReluBeforeResidual, WritesItsInput]
-
-
-@pytest.mark.parametrize("factory", INPLACE, ids=[f.__name__ for f in INPLACE])
-@pytest.mark.parametrize("tracer", sweep(["fx", "export"]))
-def test_in_place_writes_next_to_stage_borders_equal_eager(
-    factory: Callable[[], nn.Module], tracer: str
-) -> None:
-    x = torch.randn(8, 6, dtype=torch.float64)
-    for stages in (2, 3, 4):
-        model, twin = _twins(factory)
-        compiled = compile_model(
-            model, x.clone(), ["cpu"] * stages, PlanOptions(cost="flops", tracer=tracer)
-        )
-        for checkpoint in ("always", "never"):
-            pipe = compiled.pipeline(model, RunOptions(chunks=4, checkpoint=checkpoint))
-            assert_equals_eager(pipe, model, twin, x)
-
-
-def test_a_written_input_is_copied_so_the_callers_tensor_stays() -> None:
-    """The eager model would scale the caller's tensor; the pipeline writes into a copy."""
-    model, _ = _twins(WritesItsInput)
-    x = torch.randn(8, 6, dtype=torch.float64)
-    pipe = fxpipe.pipeline(model, x.clone(), ["cpu"] * 2, chunks=4, cost="flops")
-    kept = x.clone()
-    pipe(x)
-    assert torch.equal(x, kept)
-
-
-@pytest.mark.parametrize(
-    "what",
-    [lambda h: "label", lambda h: h.shape[1], lambda h: (None, 3.5), lambda h: {"n": 2}],
-    ids=["str", "width", "none-and-float", "dict"],
-)
-def test_outputs_that_are_not_tensors_pass_through(what: Callable[[torch.Tensor], Any]) -> None:
-    model, twin = _twins(lambda: Outputs(what))
-    x = torch.randn(7, 4, dtype=torch.float64)
-    pipe = fxpipe.pipeline(model, x, ["cpu"] * 2, chunks=3, cost="flops")
-    assert_equals_eager(pipe, model, twin, x)
-
-
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_a_frozen_parameter_stays_without_gradient_and_the_others_equal_eager(
-    checkpoint: str,
-) -> None:
-    model, twin = _twins(Net)
-    for m in (model, twin):
-        m.blocks[1][0].weight.requires_grad_(False)
-    x = torch.randn(8, 4, dtype=torch.float64)
-    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, checkpoint=checkpoint, cost="flops")
-    stages = {pipe.plan.stage_of[n] for n in pipe.plan.stage_of if n.startswith("blocks_1")}
-    assert len(pipe.plan.stages) == 3 and stages
-    assert_equals_eager(pipe, model, twin, x)
-    assert model.blocks[1][0].weight.grad is None
-
-
-@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
-def test_a_fully_frozen_model_gives_outputs_without_grad_as_eager(checkpoint: str) -> None:
-    model, twin = _twins(Net)
-    model.requires_grad_(False)
-    twin.requires_grad_(False)
-    x = torch.randn(8, 4, dtype=torch.float64)
-    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, checkpoint=checkpoint, cost="flops")
-    assert not pipe(x).requires_grad and not twin(x).requires_grad
-    xg = x.clone().requires_grad_()
-    pipe(xg).sum().backward()
-    want = x.clone().requires_grad_()
-    twin(want).sum().backward()
-    torch.testing.assert_close(xg.grad, want.grad)
-
-
-class BatchNormed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-        self.bn = nn.BatchNorm1d(6)
-        self.b = nn.Linear(6, 6)
-        self.c = nn.Linear(6, 6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(self.bn(self.a(x)))))
-
-
-@pytest.mark.parametrize("tracer", ["fx", "export"])
-def test_recomputing_a_stage_does_not_update_batch_norm_statistics_again(tracer: str) -> None:
-    """torch.export turns BatchNorm into plain ops on the running buffers; recomputing a
-    checkpointed stage must not apply their update a second time."""
-    model, twin = _twins(BatchNormed)
-    x = torch.randn(8, 6, dtype=torch.float64)
-    pipe = fxpipe.pipeline(
-        model, x, ["cpu"] * 2, chunks=1, checkpoint="always", cost="flops", tracer=tracer
-    )
-    for _ in range(2):
-        assert_equals_eager(pipe, model, twin, x)
-    for (name, a), b in zip(model.named_buffers(), twin.buffers(), strict=True):
-        torch.testing.assert_close(a, b, msg=name)

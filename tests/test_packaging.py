@@ -1,4 +1,6 @@
-"""Packaging: ``passes/`` is importable only as ``fxpipe.passes``; module docstrings; layering."""
+"""Packaging: ``passes/`` is importable only as ``fxpipe.passes``; module docstrings; layering;
+the tests mirror the package (a test file in a folder is named after the module it tests, and
+every pass module has one)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
@@ -367,3 +369,102 @@ def test_the_wheel_holds_fxpipe_passes_and_no_top_level_passes(tmp_path: Path) -
     }
     assert passes == want
     assert "fxpipe/py.typed" in names
+
+
+# ---------------------------------------------------------------- the tests mirror the package
+
+TESTS = ROOT / "tests"
+#: Test files in a folder of tests/: tests/views/test_report.py tests fxpipe/views/report.py,
+#: tests/passes/price/test_estimate.py passes/price/estimate.py (the top level of tests/ holds
+#: the front door's and the integration tests, named by what they check).
+MIRRORED_TESTS = sorted(p for p in TESTS.rglob("test_*.py") if p.parent != TESTS)
+#: Pass modules without a test file of their own, and the test file that tests them (through
+#: the module it is named after, which imports them).
+TESTED_WITH = {
+    "price/op_work": "tests/passes/price/test_roofline.py",
+    "price/timing": "tests/passes/price/test_estimate.py",
+    "partition/units": "tests/passes/partition/test_search.py",
+    "partition/exact": "tests/passes/partition/test_search.py",
+    "partition/orders": "tests/passes/partition/test_search.py",
+    "partition/objective": "tests/passes/partition/test_search.py",
+    "partition/memory": "tests/passes/partition/test_memory_tables.py",
+    "batch/roles": "tests/passes/batch/test_reductions.py",
+}
+
+
+def _source_folder(folder: Path) -> Path:
+    """The source folder a folder of tests/ mirrors: passes/partition for
+    tests/passes/partition, fxpipe/views for tests/views."""
+    first, *rest = folder.relative_to(TESTS).parts
+    return PASSES.joinpath(*rest) if first == "passes" else ROOT.joinpath("fxpipe", first, *rest)
+
+
+def _tested_module(test_file: Path) -> str | None:
+    """The module of the mirrored folder that ``test_file`` is named after: ``test_<module>.py``
+    or ``test_<module>_<topic>.py`` (the longest such module; the folder's own name is its
+    package), or None."""
+    folder = _source_folder(test_file.parent)
+    if not folder.is_dir():
+        return None
+    names = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"] + [folder.name]
+    stem = test_file.stem.removeprefix("test_")
+    named = [n for n in names if stem == n or stem.startswith(n + "_")]
+    return max(named, key=len, default=None)
+
+
+@pytest.mark.parametrize("path", MIRRORED_TESTS, ids=lambda p: str(p.relative_to(TESTS)))
+def test_a_test_file_in_a_folder_is_named_after_the_module_it_tests(path: Path) -> None:
+    folder = _source_folder(path.parent)
+    assert folder.is_dir(), f"{path.relative_to(ROOT)}: no {folder.relative_to(ROOT)} to mirror"
+    assert _tested_module(path) is not None, (
+        f"{path.relative_to(ROOT)} is named after no module of {folder.relative_to(ROOT)}: "
+        "name it test_<module>.py (or test_<module>_<topic>.py), or move it"
+    )
+
+
+def _own_test_files(stem: str) -> list[Path]:
+    """The test files named after the pass module ``stem`` (``partition/search``)."""
+    module = PurePosixPath(stem)
+    folder = TESTS / "passes" / module.parent
+    return sorted(p for p in folder.glob("test_*.py") if _tested_module(p) == module.name)
+
+
+def _passes_reached(test_file: Path) -> set[str]:
+    """The pass modules ``test_file`` imports, and those they import in turn."""
+    paths = {_module_name(p): p for p in PASS_FILES}
+    todo = set()
+    for name in _imported_modules(test_file):
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        if name:
+            todo.add(name)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        todo |= {n for n in _fxpipe_imports(paths[name]) if n in paths} - seen
+    return seen
+
+
+PASS_STEMS = [stem for stem in PASS_MODULES if not stem.endswith("__init__")]
+
+
+@pytest.mark.parametrize("stem", PASS_STEMS)
+def test_every_pass_module_has_a_test_file(stem: str) -> None:
+    own = _own_test_files(stem)
+    if stem not in TESTED_WITH:
+        folder, _, name = f"tests/passes/{stem}".rpartition("/")
+        assert own, (
+            f"passes/{stem}.py has no {folder}/test_{name}.py: write it, or name the test file "
+            "that tests it in TESTED_WITH"
+        )
+        return
+    assert not own, f"passes/{stem}.py has its own {own[0].name}: drop it from TESTED_WITH"
+    test_file = ROOT / TESTED_WITH[stem]
+    assert test_file.is_file(), f"TESTED_WITH names {TESTED_WITH[stem]}, which is not there"
+    module = "fxpipe.passes." + stem.replace("/", ".")
+    assert module in _passes_reached(test_file), f"{TESTED_WITH[stem]} never imports {module}"
+
+
+def test_tested_with_names_only_pass_modules() -> None:
+    assert set(TESTED_WITH) <= set(PASS_STEMS), set(TESTED_WITH) - set(PASS_STEMS)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import inspect
 import re
-import threading
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +24,6 @@ from fxpipe.errors import (
     FxPipeError,
     InputError,
     PlanError,
-    StageRunError,
 )
 from fxpipe.runtime.variants import MAX_VARIANTS
 
@@ -173,87 +170,6 @@ def test_deferred_batch_norm_matches_full_batch_running_stats() -> None:
     torch.testing.assert_close(model[0].running_mean, full.running_mean)
     torch.testing.assert_close(model[0].running_var, full.running_var)
     assert int(model[0].num_batches_tracked) == 4
-
-
-FAILURE: dict[str, Exception | None] = {"armed": None}
-
-
-def boom(x: torch.Tensor) -> torch.Tensor:
-    """Identity that raises the armed exception; traced as one call, so it runs per call."""
-    if FAILURE["armed"] is not None:
-        raise FAILURE["armed"]
-    return x
-
-
-torch.fx.wrap("boom")
-
-
-class Fails(nn.Module):
-    """Three layers with a failure point between the second and the third."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.c = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(boom(self.b(self.a(x))))
-
-
-def _fail_once(pipe: fxpipe.Pipeline, x: torch.Tensor, error: Exception) -> Exception:
-    """Call ``pipe(x)`` with ``boom`` armed to raise ``error``; what the call raised."""
-    FAILURE["armed"] = error
-    try:
-        with pytest.raises(Exception) as info:
-            pipe(x)
-    finally:
-        FAILURE["armed"] = None
-    return info.value
-
-
-def _stage_of_boom(pipe: fxpipe.Pipeline) -> str:
-    """``stage 2 (c, on cpu)``: the stage that runs ``boom``, named by its modules."""
-    j = pipe.plan.stage_of[next(n for n in pipe.plan.stage_of if n.startswith("boom"))]
-    modules = [m for m in "abc" if pipe.plan.stage_of[m] == j]
-    span = modules[0] if len(modules) == 1 else f"{modules[0]} to {modules[-1]}"
-    return f"stage {j} ({span}, on cpu)"
-
-
-def test_a_stage_that_raises_surfaces_its_exception_and_the_next_call_works() -> None:
-    model = Fails()
-    x = torch.randn(8, 4)
-    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, cost="flops")
-    threads = threading.active_count()
-    error = _fail_once(pipe, x, KeyError("injected failure"))
-    assert type(error) is KeyError and error.args == ("injected failure",)
-    frames = [f.name for f in traceback.extract_tb(error.__traceback__)]
-    assert frames[-1] == "boom"  # the raising frame is kept
-    notes = getattr(error, "__notes__", None)
-    if notes is not None:  # Python 3.11+: where it happened, added as a note
-        assert notes == [
-            f"fxpipe: raised by {_stage_of_boom(pipe)} on micro-batch 0 of 4 (rows 0-1 of "
-            "the call's batch of 8)"
-        ]
-    assert threading.active_count() == threads
-    torch.testing.assert_close(pipe(x), model(x))
-
-
-def test_a_torch_runtime_error_in_a_stage_names_the_stage_micro_batch_and_rows() -> None:
-    """A plain RuntimeError (torch's kind) becomes a StageRunError caused by it; a message
-    about no size gets no hint about batch sizes written into the model."""
-    model = Fails()
-    x = torch.randn(10, 4)
-    pipe = fxpipe.pipeline(model, x, ["cpu"] * 3, chunks=4, cost="flops")
-    cause = RuntimeError("injected failure")
-    error = _fail_once(pipe, x, cause)
-    assert isinstance(error, StageRunError) and isinstance(error, RuntimeError)
-    assert error.__cause__ is cause
-    assert str(error) == (
-        f"{_stage_of_boom(pipe)} failed on micro-batch 0 of 4 (rows 0-2 of the call's batch "
-        "of 10): injected failure"
-    )
-    torch.testing.assert_close(pipe(x), model(x))
 
 
 def test_output_device_and_moves() -> None:

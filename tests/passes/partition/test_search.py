@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import random
 import re
 from typing import Any
@@ -27,7 +26,6 @@ from models import ZOO, Case
 from fxpipe.errors import FxPipeError, PlanError
 from fxpipe.passes.partition.chain_dp import min_max_split
 from fxpipe.passes.partition.cost_graph import to_networkx
-from fxpipe.passes.partition.ideals import enumerate_ideals
 from fxpipe.passes.partition.orders import candidate_orders
 from fxpipe.passes.partition.search import (
     EXACT_LIMIT,
@@ -115,27 +113,6 @@ def test_order_search_is_exact_on_chains(n: int, k: int, density: float, seed: i
     assert part.bottleneck == bottleneck(g, part.stage_of, k) == best
     fewest = min(relay_bytes(g, s, k) for s in valid if bottleneck(g, s, k) <= best)
     assert part.border_bytes == fewest
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_enumerate_ideals_lists_every_predecessor_closed_set(seed: int) -> None:
-    rng = random.Random(seed)
-    n = rng.randint(1, 9)
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(n))
-    dag.add_edges_from((i, j) for j in range(n) for i in range(j) if rng.random() < 0.3)
-    closed = [
-        frozenset(s)
-        for r in range(n + 1)
-        for s in itertools.combinations(range(n), r)
-        if all(p in s for v in s for p in dag.predecessors(v))
-    ]
-    ideals = enumerate_ideals(dag, limit=10_000)
-    assert ideals is not None and ideals.shape == (len(closed), n)
-    rows = [frozenset(int(v) for v in row.nonzero()[0]) for row in ideals]
-    assert sorted(rows, key=sorted) == sorted(closed, key=sorted)
-    assert [len(r) for r in rows] == sorted(len(r) for r in rows)
-    assert enumerate_ideals(dag, limit=len(closed) - 1) is None
 
 
 # ---------------------------------------------------------------------------- the zoo

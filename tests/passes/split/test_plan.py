@@ -1,9 +1,11 @@
 """The plan keeps the device capacities it was made for: the summary reads the same on every
-machine, and a plan that cannot fit them is refused with the figures."""
+machine, and a plan that cannot fit them is refused with the figures. A stage's memory holds a
+weight sent on from another stage once, whatever the chunks."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from fxpipe.devices.targets import device_capacity
 from fxpipe.errors import MemoryPlanError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+GPUS = [f"cuda:{j}" for j in range(4)]
 
 
 def _plan(devices: list[str]) -> fxpipe.PipelinePlan:
@@ -81,3 +85,42 @@ def test_an_assertion_costs_nothing_and_stays_with_what_it_checks(k: int) -> Non
     for node in checks:
         assert plan.node_cost[node.name] == 0.0
         assert {plan.stage_of[a.name] for a in node.all_input_nodes} == {plan.stage_of[node.name]}
+
+
+class TiedLM(nn.Module):
+    """A large tied embedding, a few small layers: the head's stage receives the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, 64)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.head = nn.Linear(64, 4096, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_weight_sent_to_a_later_stage_is_held_once_whatever_the_chunks(training: bool) -> None:
+    """The tied weight reaches the head's stage once per step, whole (the runtime copies it
+    once per call): that stage holds the weight and, in training, its gradient, however
+    many micro-batches run; the rest of its memory is activations, small here."""
+    torch.manual_seed(0)
+    model, ids = TiedLM().train(training), torch.randint(0, 4096, (8, 1))
+    weight = 4096 * 64 * 4
+
+    def head_stage(chunks: int) -> Any:
+        plan = fxpipe.plan(model, ids, GPUS[:2], cost="flops", chunks=chunks)
+        (edge,) = [e for e in plan.edges if e.bytes == weight]  # the weight, sent on
+        (stage,) = [plan.stages[j] for j in edge.consumers]
+        return stage
+
+    for chunks in (2, 4, 8):
+        stage = head_stage(chunks)
+        activations = stage.memory_bytes - (4 if training else 1) * stage.param_bytes
+        held = (2 if training else 1) * weight
+        assert held <= activations < held + 0.2 * weight, (chunks, activations)

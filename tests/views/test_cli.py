@@ -20,7 +20,7 @@ from fxpipe.ir import CheckpointMode, CostMode, TracerName
 from fxpipe.views import cli
 from fxpipe.views.factory import load_factory, parse_shape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "examples/factories.py:unet"
 FAST = ["--shape", "2,3,16,16", "--devices", "cpu,cpu", "--cost", "flops"]
 
@@ -209,3 +209,84 @@ def test_option_choices_are_the_api_choices_and_each_is_explained(dest: str, ali
         assert re.search(rf"\b{choice}\b", action.help or ""), (dest, choice)
     assert action.default in get_args(alias)  # and the help says which one it is:
     assert re.search(rf"\b{action.default}\b[^;]*(; |\()the default\)", action.help or "")
+
+
+# ---------------------------------------------- bad models: the library's errors, said in one line
+
+CUDA_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+FACTORIES = """
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def forward(self, h):
+        if h.sum() > 0:
+            return h
+        return -h
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.fc(x))
+
+
+class Mean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x), self.fc(x).mean().item()
+
+
+def untraceable():
+    return Untraceable()
+
+
+def small():
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def mean():
+    return Mean()
+"""
+
+CLI_CASES = {
+    "untraceable model": (["untraceable", "--shape", "4,4"], r"(?s)could not trace .*'gate'"),
+    "more devices than cut points": (
+        ["small", "--shape", "4,4", "--devices", ",".join(["cpu"] * 9)],
+        r"at most \d+ stages",
+    ),
+    "output read out of a tensor": (["mean", "--shape", "4,4"], "'item'"),
+    "keyword inputs not a dict": (
+        ["small", "--shape", "4,4", "--kwargs", "[1, 2]"],
+        "--kwargs must be a dict",
+    ),
+    "devices name no device": (["small", "--shape", "4,4", "--devices", " , "], "no device"),
+    "run on an absent GPU": (
+        ["small", "--shape", "4,4", "--devices", f"cpu,cuda:{CUDA_COUNT}", "--run"],
+        "not present",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES), ids=list(CLI_CASES))
+def test_the_cli_refuses_bad_input_with_exit_2_and_one_line(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command line turns the same errors into ``error: ...`` and exit status 2."""
+    factories = tmp_path / "factories.py"
+    factories.write_text(FACTORIES)
+    name, *rest = CLI_CASES[case][0]
+    code = cli.main(["inspect", f"{factories}:{name}", "--cost", "flops", *rest])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert re.search(CLI_CASES[case][1], err), err
