@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# Tests import the shared model zoo as ``models`` (tests/ has no __init__.py by design).
+# Tests import the shared model zoo as ``models`` (tests/ has no __init__.py by design); the
+# zoo's models shared with the benchmarks come from the ``benchmarks`` package at the root,
+# found after the installed fxpipe (appended, so ./fxpipe never shadows it).
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).parents[1]))
 
 from models import QUICK_MODELS, ZOO, Case  # noqa: E402
 

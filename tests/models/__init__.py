@@ -25,8 +25,10 @@
   by every layer, grouped-query SDPA attention, SwiGLU, RMSNorm, an additive 4-D mask
   built from the padding mask, a dict output.
 
-The models are defined by kind in ``models.dense``, ``models.conv`` and ``models.language``;
-this module makes them cases (``ZOO``, ``QUICK_MODELS``, ``cases``) and is what tests import.
+Most models are the partition benchmark's too, defined once in ``benchmarks.harness.models``
+(``zoo_nets``, ``zoo_lm``); those only the tests run are in ``models.dense`` and
+``models.conv``. This module makes them cases (``ZOO``, ``QUICK_MODELS``, ``cases``) and is
+what tests import.
 
 Every dropout is an ``nn.Dropout`` module, so ``train()``/``eval()`` on an fx-traced graph
 still switches it. Graphs traced by ``torch.export`` freeze the train/eval mode they were
@@ -42,20 +44,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.conv import Inception, LocalConvBlock, LocalConvTokens, ResNet, UNet
-from models.dense import (
+from benchmarks.harness.models.zoo_lm import TinyGPT, TinyLlama
+from benchmarks.harness.models.zoo_nets import (
     BNDropoutBuffers,
     DeepMLP,
-    FixedRows,
+    Inception,
     MultiIO,
     ResidualMLP,
-    RoutedExperts,
+    ResNet,
     SharedBlockNet,
-    SharedOffsets,
-    WeightForDtype,
+    UNet,
     WindowMixer,
 )
-from models.language import TinyGPT, TinyLlama
+from models.conv import LocalConvBlock, LocalConvTokens
+from models.dense import FixedRows, RoutedExperts, SharedOffsets, WeightForDtype
 
 __all__ = [
     "QUICK_MODELS",

@@ -1,7 +1,7 @@
-"""The partition benchmark's language models: a GPT with a tied head and a Llama-style decoder.
-
-The same architectures as the tests' zoo's ``transformer`` and ``llama``, defined here for
-the benchmark alone (see ``zoo_nets``).
+"""The language models of the partition benchmark and of the tests' zoo (``transformer`` and
+``llama`` there): a GPT with a tied LM head and a keyword padding mask, and a Llama written
+the way Hugging Face models are (rotary tables, grouped-query attention, SwiGLU, RMSNorm).
+One copy, as for ``zoo_nets``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The partition benchmark's vision and MLP models, defined here for the benchmark alone.
+"""The vision and MLP models of the partition benchmark and of the tests' zoo (one copy).
 
-The same architectures as the tests' zoo of the same names (kept apart so that the
-benchmark's rows stay comparable run to run while the tests' zoo grows): residual MLPs, a
-ResNet, a U-Net, Inception blocks, multi-input/multi-output nets, BatchNorm with dropout
-and buffers, a window mixer only ``torch.export`` traces, a deep MLP of unequal widths and
-one block called at two depths.
+Residual MLPs, a ResNet, a U-Net, Inception blocks, multi-input/multi-output nets, BatchNorm
+with dropout and buffers, a window mixer only ``torch.export`` traces, a deep MLP of unequal
+widths and one block called at two depths. The tests' zoo (``tests/models``) imports them
+and adds models of its own; a change here changes the benchmark's rows and the tests alike,
+so a model that needs to differ gets a new class.
 """
 
 from __future__ import annotations
