@@ -471,7 +471,7 @@ def _follow(
     plan = leader.plan
     batch = plan.costs.batch_size
     example = _meta_example((args, dict(kwargs)), batch)
-    pricing = "roofline"
+    pricing: PricingMode = "roofline"
     with preserved(model), meta_view(model, live=True):
         front = traced_example(
             model, *example, tracer=_tracer(leader.traced.tracer), pricing=pricing,
