@@ -40,11 +40,11 @@ Zero bubble (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism") splits ea
 into an input-gradient and a weight-gradient pass and fills the bubble with the latter. With
 forward, input and weight passes of equal time its authors give 1F1B a bubble rate of
 ``(p - 1) / m`` and ZB1P ``(p - 1) / (3 m)``. torch's orders, played out pass by pass with
-equal passes (``tests/test_layout.py`` does it for every schedule here), leave the same
-third for all three zero-bubble schedules: interleaved zero bubble (ZB1P looped over ``v``
-stages per rank), ZBV and DualPipeV idle only while the first micro-batch's forward reaches
-the last rank, ``p - 1`` forward passes of the ``3 v m`` a rank runs (the authors'
-comparison lists ZBV with no bubble; torch's ZBV order idles that fill too). So the fill
+equal passes (``tests/distributed/test_layout.py`` does it for every schedule here), leave
+the same third for all three zero-bubble schedules: interleaved zero bubble (ZB1P looped
+over ``v`` stages per rank), ZBV and DualPipeV idle only while the first micro-batch's
+forward reaches the last rank, ``p - 1`` forward passes of the ``3 v m`` a rank runs (the
+authors' comparison lists ZBV with no bubble; torch's ZBV order idles that fill too). So the fill
 term above is multiplied by ``z = 1/3`` for them. ZBV and DualPipeV place ``2 pp`` stages in
 a V (rank r holds r and ``2 pp - 1 - r``: the border at the V's tip sends nothing); ZBV
 needs ``m >= 2 pp - 1`` micro-batches (its count to fill the V), DualPipeV ``m >= 2 pp``
