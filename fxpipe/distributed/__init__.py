@@ -19,9 +19,16 @@ neighbouring stages), and releases every other stage's parameters and buffers to
     pipe.sync_tied_gradients()      # sums a shared weight's copies (a no-op without one)
     optimizer.step()                # optimizer over pipe.parameters()
 
+Its options are one frozen record, :class:`ScheduleOptions`: ``pipeline_schedule`` makes it
+from its keywords, checked on every rank before any communication, and the rest takes it;
+``pipeline_schedule(model, x, loss_fn=loss_fn, **options.keywords())`` runs a record made
+beforehand.
+
 Modules:
 
-- ``build``: :func:`pipeline_schedule`: option checks (before any communication), planning,
+- ``options``: :class:`ScheduleOptions` and the checks of every option (``suggest_layout``
+  shares them); the schedules' names and where each places the stages.
+- ``build``: :func:`pipeline_schedule`: the record made from its keywords, planning,
   activation shapes, the agreement check.
 - ``shapes``: each stage's input and output shapes for one micro-batch, from a run of the
   stage program on fake tensors.
@@ -43,13 +50,15 @@ Modules:
   per rank (:class:`LayoutEstimate` rows; ``format_layouts`` prints them).
 """
 
-from fxpipe.distributed.build import SCHEDULES, pipeline_schedule
+from fxpipe.distributed.build import pipeline_schedule
 from fxpipe.distributed.layout import LayoutEstimate, suggest_layout
+from fxpipe.distributed.options import SCHEDULES, ScheduleOptions
 from fxpipe.distributed.ownership import merge_state_dicts
 from fxpipe.distributed.runner import DistributedPipeline
 
 __all__ = [
     "pipeline_schedule",
+    "ScheduleOptions",
     "DistributedPipeline",
     "merge_state_dicts",
     "SCHEDULES",

@@ -96,12 +96,18 @@ from torch import nn
 from fxpipe.api import traced_example
 from fxpipe.devices.budgets import parse_amount
 from fxpipe.devices.targets import parse_device
-from fxpipe.distributed.build import V_SHAPED, stage_ranks
-from fxpipe.distributed.mesh import (
-    DATA_PARALLEL,
+from fxpipe.distributed.mesh import can_leave_whole, shared_on_a_rank
+from fxpipe.distributed.options import (
+    INTERLEAVED,
+    SCHEDULES,
     SPLIT_BACKWARD,
-    can_leave_whole,
-    shared_on_a_rank,
+    V_SHAPED,
+    check_count,
+    check_data_parallel,
+    check_each,
+    check_schedule,
+    rounds,
+    stage_ranks,
 )
 from fxpipe.errors import ConfigError, PlanError
 from fxpipe.ir import (
@@ -137,16 +143,8 @@ __all__ = [
     "DEFAULT_DP_BANDWIDTH",
 ]
 
-#: Schedules ranked, spelled as ``fd.pipeline_schedule`` takes them (lower case).
-LAYOUT_SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved1f1b",
-    "loopedbfs",
-    "interleavedzerobubble",
-    "zbvzerobubble",
-    "dualpipev",
-)
+#: Schedules ranked: ``fd.pipeline_schedule``'s, in lower case.
+LAYOUT_SCHEDULES = tuple(s.lower() for s in SCHEDULES)
 #: Several stages per rank, rank r holding r, r + pp, ... (torch's looped placement).
 _LOOPED = frozenset({"interleaved1f1b", "loopedbfs", "interleavedzerobubble"})
 #: The part of the fill and drain a schedule leaves idle, with forward, input-gradient and
@@ -154,8 +152,6 @@ _LOOPED = frozenset({"interleaved1f1b", "loopedbfs", "interleavedzerobubble"})
 #: third for the zero-bubble ones, whose torch orders idle only while the first forward
 #: reaches the last rank (the authors' ZB1P, (p - 1) / 3m against 1F1B's (p - 1) / m).
 _IDLE_FILL = {name: 1 / 3 for name in ("interleavedzerobubble", "zbvzerobubble", "dualpipev")}
-#: Schedules that run the micro-batches in torch's equal rounds of ``m // pp``.
-_ROUNDS = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 #: Peak dense 16-bit FLOP/s of an A100 (Narayanan et al. 2021, §5: 312 teraFLOP/s).
 A100_BF16_FLOPS = 312e12
 #: Fraction of peak reached; Megatron-LM's Table 1 reports 44-52% (46% for its 7.5B GPT).
@@ -307,9 +303,10 @@ def suggest_layout(
             and the remedy (``DeviceError`` for a ``device`` that is malformed or, with
             ``cost="time"``, absent).
     """
-    _check_world(world_size)
-    names = _schedules(schedules)
-    kinds = _data_parallel(data_parallel)
+    why = ": the ranks in all, pipeline ranks x data-parallel replicas"
+    check_count("world_size", world_size, why=why)
+    names = check_each("schedules", schedules, check_schedule)
+    kinds = check_each("data_parallel", data_parallel, _data_parallel)
     loops = _counts("virtual", virtual, least=2)
     wanted = None if chunks is None else _counts("chunks", chunks, least=1)
     check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
@@ -384,53 +381,15 @@ def _bytes(n: int) -> str:
 # ---------------------------------------------------------------------------- options
 
 
-def _check_world(world_size: Any) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(
-            f"world_size={world_size!r} must be a whole number >= 1: the ranks in all, "
-            "pipeline ranks x data-parallel replicas"
-        )
-
-
-def _items(value: Any) -> list[Any]:
-    """A sequence option as a list; one value (a string, a number) as a list of it."""
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        return [value]
-    return list(value)
-
-
-def _schedules(schedules: Any) -> tuple[str, ...]:
-    items = _items(schedules)
-    names = tuple(str(s).lower() for s in items)
-    bad = [s for s, n in zip(items, names, strict=True) if n not in LAYOUT_SCHEDULES]
-    if bad or not names:
-        raise ConfigError(
-            f"schedules={schedules!r} must name one or more of {LAYOUT_SCHEDULES}"
-            + (f" ({bad[0]!r} is not one)" if bad else "")
-        )
-    return tuple(dict.fromkeys(names))
-
-
-def _data_parallel(value: Any) -> tuple[str, ...]:
-    items = _items(value)
-    kinds = tuple(dict.fromkeys(str(k).lower() for k in items))
-    bad = [k for k in kinds if k not in DATA_PARALLEL]
-    if bad or not kinds:
-        raise ConfigError(
-            f"data_parallel={value!r} must name one or more of {DATA_PARALLEL}"
-            + (f" ({bad[0]!r} is not one)" if bad else "")
-        )
-    return kinds
+def _data_parallel(name: str, value: object) -> str:
+    """``value`` in lower case, one of :data:`~fxpipe.distributed.options.DATA_PARALLEL`."""
+    return check_data_parallel(name, str(value).lower())
 
 
 def _counts(name: str, value: Any, *, least: int) -> tuple[int, ...]:
-    items = _items(value)
-    bad = [c for c in items if isinstance(c, bool) or not isinstance(c, int) or c < least]
-    if bad or not items:
-        raise ConfigError(
-            f"{name}={value!r} must be a whole number >= {least}, or a sequence of them"
-        )
-    return tuple(sorted(set(items)))
+    """Micro-batch or stage counts: one, or a sequence, each a whole number >= ``least``;
+    sorted, each once."""
+    return tuple(sorted(check_each(name, value, lambda n, c: check_count(n, c, least=least))))
 
 
 def _check_rate(name: str, value: Any) -> None:
@@ -539,7 +498,7 @@ def _candidates(
                 continue
             for v in loops if looped else (2,) if v_shaped else (1,):
                 for m in counts:
-                    uneven = schedule in _ROUNDS and m % _rounds(m, pp) != 0
+                    uneven = schedule in INTERLEAVED and m % rounds(m, pp) != 0
                     if looped and (m < pp or uneven):
                         continue  # the loop would stall; torch refuses uneven rounds
                     if v_shaped and m < 2 * pp - (schedule == "zbvzerobubble"):
@@ -549,11 +508,6 @@ def _candidates(
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _rounds(m: int, pp: int) -> int:
-    """torch's interleaved rounds: ``max(1, m // pp)``; ``m`` must be a multiple."""
-    return max(1, m // pp)
 
 
 def _rank_of(schedule: str, pp: int, v: int) -> tuple[int, ...]:
@@ -647,7 +601,7 @@ def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> tuple[int, ...
     elif schedule == "loopedbfs":
         passes = m * v
     else:  # interleaved 1F1B: 2 (pp - 1 - r) + 1 ahead; zero bubble: pp - 1 - r + 1 ahead,
-        per_round = m // _rounds(m, pp)  # and its weight parts r passes late, holding theirs
+        per_round = m // rounds(m, pp)  # and its weight parts r passes late, holding theirs
         ahead = pp if schedule == "interleavedzerobubble" else 2 * (pp - 1 - r) + 1
         passes = min(m * v, (v - 1) * per_round + ahead)
     return (max(1, math.ceil(passes / v)),) * v

@@ -18,9 +18,10 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_unflatten
 
-from fxpipe.distributed.mesh import SPLIT_BACKWARD, Layout
+from fxpipe.distributed.mesh import Layout
+from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
 from fxpipe.distributed.ownership import Ownership, is_dtensor, merge_state_dicts
-from fxpipe.distributed.shapes import Metas, meta_like, tensors
+from fxpipe.distributed.shapes import Metas, StageShapes, meta_like, tensors
 from fxpipe.distributed.split_backward import (
     disjoint_param_groups,
     stage_graph,
@@ -56,25 +57,25 @@ class DistributedPipeline:
         plan: PipelinePlan,
         program: StageProgram,
         binder: InputBinder,
-        metas: list[Metas],
+        shapes: StageShapes,
         ranks: tuple[int, ...],
-        group: dist.ProcessGroup | None,
+        layout: Layout,
         device: torch.device,
+        options: ScheduleOptions,
         *,
-        kind: str,
-        n_microbatches: int,
         loss_fn: Callable[..., torch.Tensor] | None,
-        scale_grads: bool,
-        layout: Layout | None = None,
         statistics: BatchStatistics | None = None,
         step_shapes: StepShapes | None = None,
         whole: frozenset[int] = frozenset(),
-        idle: tuple[bool, ...] | None = None,
-        layouts: tuple[tuple[Strides, ...], ...] | None = None,
     ) -> None:
-        self.plan, self.group, self.device = plan, group, device
+        """This rank's stages of ``program`` (``ranks``: each stage's pipeline rank, in
+        ``layout``'s ``"pp"`` group), on ``device``, with the boundary values of one
+        micro-batch in ``shapes`` (the first stage's inputs: the model's positional
+        arguments), as ``options`` says; ``whole``: the Parameters FSDP leaves whole."""
+        group = layout.pp_group
+        self.plan, self.group, self.device, self.options = plan, group, device, options
         self._modes = modes_of(model)  # the training modes it was traced in
-        self.layout = layout or Layout(group)
+        self.layout = layout
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_stages = plan.num_stages
         self.stage_indices = tuple(j for j, r in enumerate(ranks) if r == self.rank)
@@ -87,16 +88,17 @@ class DistributedPipeline:
         self._own.place(device, [model, plan.graph_module, *program.modules])
         kept = [t for k, _, t in self._own.replicated if k in self._own.whole_keys]
         self._whole = {id(t) for t in kept if t is not None}  # left whole by FSDP (placed)
-        # stages holding a trained Parameter their outputs do not depend on (None: unknown)
-        self._idle = idle or (True,) * plan.num_stages
+        # stages holding a trained Parameter their outputs do not depend on (none: unknown)
+        self._idle = shapes.idle or (True,) * plan.num_stages
         self._tied = TiedGuard(self._own)
-        copies = kind in SPLIT_BACKWARD
+        copies = options.schedule in SPLIT_BACKWARD
+        n_microbatches = options.n_microbatches
         self._statistics, self._n_microbatches = statistics, n_microbatches
         self._step_shapes = step_shapes
-        self._layouts = layouts
+        self._layouts: tuple[tuple[Strides, ...], ...] | None = shapes.layouts
         slots = _parameter_slots(self.stage_modules)
         self.stages = tuple(
-            self._stage(program, binder if j == 0 else None, metas[j], j, copies)
+            self._stage(program, binder if j == 0 else None, shapes.metas[j], j, copies)
             for j in self.stage_indices
         )
         if self.layout.sharded:  # fully_shard put DTensor Parameters in the stage modules
@@ -104,9 +106,9 @@ class DistributedPipeline:
             self._own.adopt(sharded, [model, plan.graph_module, *program.modules])
         # scale_grads divides each micro-batch loss's gradient (see _MeanLoss), not the
         # gradients at the end of the step as torch does (scale_grads=False to torch)
-        scale = n_microbatches if scale_grads else 1
+        scale = n_microbatches if options.scale_grads else 1
         loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output, scale)
-        cls = _sized_steps(get_schedule_class(kind))
+        cls = _sized_steps(get_schedule_class(options.schedule))
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(
             self.stages[0] if single else list(self.stages),

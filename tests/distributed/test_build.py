@@ -175,7 +175,7 @@ def test_zero_bubble_refuses_a_stage_whose_inputs_need_no_gradient() -> None:
     whole backward, or an input that needs one, or frozen Parameters, is fine."""
     from types import SimpleNamespace
 
-    from fxpipe.distributed.build import _check_weight_part
+    from fxpipe.distributed.build import check_weight_part
 
     def meta(dtype: torch.dtype, grad: bool) -> torch.Tensor:
         return torch.empty(2, 3, dtype=dtype, device="meta").requires_grad_(grad)
@@ -183,11 +183,11 @@ def test_zero_bubble_refuses_a_stage_whose_inputs_need_no_gradient() -> None:
     program: Any = SimpleNamespace(modules=[nn.Linear(3, 3), nn.Linear(3, 3)])
     ids: Any = [((meta(torch.float32, True),), ()), ((torch.zeros(2, 3, dtype=torch.long),), ())]
     with pytest.raises(ConfigError, match=r"stage 1 trains Parameters \(weight, bias\)"):
-        _check_weight_part("zbvzerobubble", program, ids)
+        check_weight_part("zbvzerobubble", program, ids)
     with pytest.raises(ConfigError, match="'1f1b'"):
-        _check_weight_part("interleavedzerobubble", program, ids)
-    _check_weight_part("1f1b", program, ids)
+        check_weight_part("interleavedzerobubble", program, ids)
+    check_weight_part("1f1b", program, ids)
     floats = [ids[0], ((meta(torch.float32, False), meta(torch.float32, True)), ())]
-    _check_weight_part("zbvzerobubble", program, floats)
+    check_weight_part("zbvzerobubble", program, floats)
     program.modules[1].requires_grad_(False)
-    _check_weight_part("zbvzerobubble", program, ids)
+    check_weight_part("zbvzerobubble", program, ids)

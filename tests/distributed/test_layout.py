@@ -423,6 +423,10 @@ def test_roofline_prices_with_keyword_inputs() -> None:
         ({"checkpoint": "sometimes"}, "checkpoint='sometimes'"),
         ({"slack": -1}, "slack=-1"),
         ({"data_parallel": "zero3"}, "data_parallel='zero3'"),
+        ({"schedules": ("1f1b", "chimera")}, "schedules[1]='chimera' is not one of"),
+        ({"schedules": ()}, "schedules=() is empty"),
+        ({"virtual": (2, 1)}, "virtual[1]=1 must be a whole number >= 2"),
+        ({"data_parallel": ("ddp", "zero3")}, "data_parallel[1]='zero3'"),
     ],
 )
 def test_bad_options_are_refused_naming_the_value(options: dict[str, object], named: str) -> None:
