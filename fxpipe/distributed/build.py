@@ -1,6 +1,7 @@
-"""``pipeline_schedule``: checks the options, plans the model (from costs one rank measured,
-with ``cost="time"``), fixes the activation shapes and checks that every rank planned alike,
-then hands over to :class:`DistributedPipeline`.
+"""``pipeline_schedule``: makes its options record (every option checked), plans the model
+(from costs one rank measured, with ``cost="time"``: ``agreement.py``), fixes the activation
+shapes and checks that every rank planned alike, then hands over to
+:class:`DistributedPipeline`.
 
 Activation shapes are found from the example, as torch's static stage metadata: the example
 is one step's full batch, split into ``n_microbatches`` equal micro-batches, and the stage
@@ -11,7 +12,6 @@ first step. A step with other sizes (a sequence length) re-sizes them (``step_sh
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.api import Compiled, compile_model
 from fxpipe.devices.targets import parse_device
-from fxpipe.distributed.mesh import check_sharding, mesh_layout
+from fxpipe.distributed.agreement import MeasuredCost, check_agreement, measured_costs
+from fxpipe.distributed.mesh import check_sharding, comm_device, mesh_layout
 from fxpipe.distributed.options import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -36,8 +37,8 @@ from fxpipe.distributed.options import (
 from fxpipe.distributed.runner import DistributedPipeline
 from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
 from fxpipe.distributed.step_shapes import StepShapes
-from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
-from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
+from fxpipe.errors import ConfigError, InputError, PlanError
+from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import PlanOptions
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 
@@ -158,12 +159,12 @@ def _build(
     whole = check_sharding(layout, program.modules, ranks)  # what FSDP leaves unsharded
     agreed = (options.schedule, options.n_microbatches, options.stages_per_rank)
     config = (*agreed, options.scale_grads, options.data_parallel, _shapes(values))
-    _check_agreement(plan, program, config, group, target)
+    check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
-        _check_agreement(plan, program, config, layout.dp_group, target)
+        check_agreement(plan, program, config, layout.dp_group, target)
     sizes = StepShapes(
         program, binder, found, args, kwargs, n_microbatches=options.n_microbatches,
-        group=group, device=target, comm=_comm_device(group, target),
+        group=group, device=target, comm=comm_device(group, target),
     )  # fmt: skip
     return DistributedPipeline(
         model,
@@ -196,7 +197,7 @@ def _plan(
     planning = options.plan_options()
     if options.cost == "time":
         timed = planning
-        measured = _measured_costs(
+        measured = measured_costs(
             lambda: _compile(model, args, kwargs, devices, timed), group, devices[0]
         )
         planning = replace(planning, cost=measured)
@@ -219,48 +220,10 @@ def _compile(
             f"the plan has {compiled.plan.num_stages} stages but {len(devices)} were asked "
             "for; use fewer processes or a smaller stages_per_rank"
         )
-    if isinstance(options.cost, _MeasuredCost):  # measured seconds, not a user's cost function
+    if isinstance(options.cost, MeasuredCost):  # measured seconds, not a user's cost function
         costs = replace(compiled.plan.costs, mode="time", unit="s")
         compiled = replace(compiled, plan=replace(compiled.plan, costs=costs))
     return compiled
-
-
-def _measured_costs(
-    profile: Callable[[], Compiled], group: dist.ProcessGroup | None, device: torch.device
-) -> _MeasuredCost:
-    """``cost="time"`` across processes: group rank 0 profiles every node once (``profile``)
-    and broadcasts the table; every rank, rank 0 too, then plans with that one table as a
-    callable cost, so the plans agree by construction. When rank 0 fails, every rank
-    raises (rank 0 its own error), instead of the others waiting for it."""
-    box: list[Any] = [None]
-    failure: Exception | None = None
-    if dist.get_rank(group) == 0:
-        try:
-            box[0] = dict(profile().plan.node_cost)
-        except Exception as e:
-            failure, box[0] = e, f"{type(e).__name__}: {e}"
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group, device=_comm_device(group, device))
-    if failure is not None:
-        raise failure
-    if not isinstance(box[0], dict):
-        raise FxPipeError(
-            f"group rank 0 could not profile the model for cost='time': {box[0]}; fix the "
-            "error rank 0 reports, or pass cost='flops'"
-        )
-    return _MeasuredCost(box[0])
-
-
-class _MeasuredCost:
-    """``(node) -> float``: the cost group rank 0 measured for the node of that name. A name
-    rank 0 did not price costs 0: that rank traced another graph, which the agreement
-    check then reports on every rank."""
-
-    def __init__(self, table: dict[str, float]) -> None:
-        self.table = table
-
-    def __call__(self, node: fx.Node) -> float:
-        return float(self.table.get(node.name, 0.0))
 
 
 def _check_not_timed(cost: Any) -> None:
@@ -279,11 +242,6 @@ def _check_initialised() -> None:
             "init_process_group(backend='gloo' or 'nccl', ...) on every rank first (under "
             "torchrun, init_process_group() reads the rank and world size it sets)"
         )
-
-
-def _comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """Where collectives of ``group`` put their tensors: the stage device under NCCL."""
-    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def check_weight_part(kind: str, program: StageProgram, metas: list[Metas]) -> None:
@@ -339,32 +297,3 @@ def _first_microbatch(
 
 def _shapes(values: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t.shape) for t in tensors(values))
-
-
-def _check_agreement(
-    plan: PipelinePlan,
-    program: StageProgram,
-    config: Any,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-) -> None:
-    """All-gather digests of the plan and of the options; FxPipeError on every rank when a
-    rank differs from rank 0."""
-    split = repr((sorted(plan.stage_of.items()), program.inputs, program.outputs))
-    comm = _comm_device(group, device)
-    mine = torch.tensor([_digest(split), _digest(repr(config))], dtype=torch.int64, device=comm)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    for index, what in enumerate(("plan (stage of every node)", "options or example shapes")):
-        odd = [r for r, d in enumerate(everyone) if int(d[index]) != int(everyone[0][index])]
-        if odd:
-            raise FxPipeError(
-                f"rank(s) {odd} computed a different {what} than rank 0; call "
-                "pipeline_schedule on every rank with the same model (same construction and "
-                "seed), the same example and the same options, with a cost that is the same "
-                f"on every rank (one of {PRICING_MODES} or a deterministic callable)"
-            )
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)

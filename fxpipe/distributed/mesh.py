@@ -30,6 +30,7 @@ __all__ = [
     "Layout",
     "can_leave_whole",
     "check_sharding",
+    "comm_device",
     "mesh_layout",
     "shared_on_a_rank",
 ]
@@ -225,3 +226,8 @@ def _fully_shard() -> Any:
             f"{torch.__version__} does not have; upgrade torch or pass data_parallel='ddp'"
         ) from None
     return fully_shard
+
+
+def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where collectives of ``group`` put their tensors: the stage device under NCCL."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
