@@ -29,13 +29,23 @@ Modules:
 - ``options``: :class:`ScheduleOptions` and the checks of every option (``suggest_layout``
   shares them); the schedules' names and where each places the stages.
 - ``build``: :func:`pipeline_schedule`: the record made from its keywords, planning,
-  activation shapes, the agreement check.
+  activation shapes.
+- ``agreement``: what building communicates: the costs group rank 0 measures for
+  ``cost="time"``, broadcast, and the one all-gather that checks every rank planned alike.
 - ``shapes``: each stage's input and output shapes for one micro-batch, from a run of the
   stage program on fake tensors.
 - ``step_shapes``: each step's input sizes, sent by the first rank to the others (one small
   broadcast per step), so that a step may have another sequence length than the last.
-- ``runner``: :class:`DistributedPipeline`: the stages, the torch schedule, gradients of
-  shared parameters, state-dict shards.
+- ``runner``: :class:`DistributedPipeline`: this rank's stages, the torch schedule, its
+  parameters and state-dict shard.
+- ``stage``: a stage as torch's schedules run it: the stage module (the model's arguments
+  in, what torch sends out) and the ``PipelineStage`` whose checks run at each step's start
+  and whose buffers are re-made for a step of other sizes.
+- ``gradients``: the gradients of parameters held on several ranks (or left whole by FSDP)
+  summed once per step (``sync_tied_gradients``).
+- ``tied_guard``: an update of such a parameter without that sum, refused at the next step.
+- ``checkpoint``: one ``torch.distributed.checkpoint`` for the whole job, at any layout,
+  checked by each rank before anything is read.
 - ``split_backward``: the weight part of a zero-bubble stage's backward, computed by
   fxpipe from torch's input part (torch's own counts some gradients twice or crashes).
 - ``strides``: boundary values and their gradients in eager's memory layout on both sides
