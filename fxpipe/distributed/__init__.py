@@ -57,7 +57,10 @@ Modules:
   ``DeviceMesh``, and each stage wrapped in DDP over ``"dp"``.
 - ``layout``: :func:`suggest_layout`: the (pp, dp, virtual stages, micro-batches, schedule)
   layouts of a model over ``world_size`` ranks, ranked by predicted step time and memory
-  per rank (:class:`LayoutEstimate` rows; ``format_layouts`` prints them).
+  per rank.
+- ``layout_estimate``: what the cost model predicts for one layout (a
+  :class:`LayoutEstimate` row), and the formulas.
+- ``layout_table``: ``format_layouts``, the rows as a table a person reads.
 """
 
 from fxpipe.distributed.build import pipeline_schedule
