@@ -22,7 +22,8 @@ neighbouring stages), and releases every other stage's parameters and buffers to
 Its options are one frozen record, :class:`ScheduleOptions`: ``pipeline_schedule`` makes it
 from its keywords, checked on every rank before any communication, and the rest takes it;
 ``pipeline_schedule(model, x, loss_fn=loss_fn, **options.keywords())`` runs a record made
-beforehand.
+beforehand, such as the one a layout :func:`suggest_layout` ranks gives
+(:attr:`LayoutEstimate.options`).
 
 Modules:
 

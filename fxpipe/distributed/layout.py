@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from fxpipe.distributed.options import (
     rounds,
 )
 from fxpipe.errors import ConfigError
-from fxpipe.ir import CHECKPOINT_MODES, TRACERS, CheckpointMode, PricingMode
+from fxpipe.ir import CHECKPOINT_MODES, TRACERS, CheckpointMode, PricingMode, TracerName
 from fxpipe.options import check_choice, check_slack
 
 __all__ = [
@@ -156,7 +156,8 @@ def suggest_layout(
     budget = None if max_memory is None else _budget(max_memory)
     target = parse_device(device, require_present=cost == "time")
     mode = _PRICING[cost]
-    priced = priced_model(model, example_input, example_kwargs, mode, tracer, target, device_flops)
+    asked = cast(TracerName, tracer)  # checked above
+    priced = priced_model(model, example_input, example_kwargs, mode, asked, target, device_flops)
     rates = (float(link_bandwidth), float(dp_bandwidth))
     splits: dict[int, Split | None] = {}
     out = []

@@ -96,9 +96,15 @@ from torch import nn
 
 from fxpipe.api import traced_example
 from fxpipe.distributed.mesh import can_leave_whole, shared_on_a_rank
-from fxpipe.distributed.options import SPLIT_BACKWARD, V_SHAPED, rounds, stage_ranks
+from fxpipe.distributed.options import (
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    ScheduleOptions,
+    rounds,
+    stage_ranks,
+)
 from fxpipe.errors import PlanError
-from fxpipe.ir import CostTable, PipelinePlan, PricingMode
+from fxpipe.ir import CostTable, PipelinePlan, PricingMode, TracerName
 from fxpipe.model_state import preserved
 from fxpipe.passes.partition.cost_graph import (
     replicate_shared_weights,
@@ -166,11 +172,40 @@ class LayoutEstimate:
     #: How the replicas share a stage's gradients: ``"ddp"`` (each holds every parameter;
     #: also the value when ``dp == 1``) or ``"fsdp"`` (each holds a ``1 / dp`` shard).
     data_parallel: str = "ddp"
+    #: How the nodes were priced for the split, the tracer asked for and the slack the split
+    #: was made with: what ``fd.pipeline_schedule`` is passed to split the stages alike.
+    cost: PricingMode = "flops"
+    tracer: TracerName = "auto"
+    slack: float = 0.0
 
     @property
     def stages(self) -> int:
         """Stages of the pipeline: ``pp * virtual``."""
         return self.pp * self.virtual
+
+    @property
+    def options(self) -> ScheduleOptions:
+        """This layout as ``fd.pipeline_schedule``'s options: its schedule, ``chunks``
+        micro-batches, ``virtual`` stages per rank and ``pp * virtual`` in all, its
+        ``data_parallel``, and the pricing, tracer and slack its stages were split with. On
+        every rank, with a ``(pp, dp)`` mesh when ``dp > 1`` and the rank's replica's rows
+        (``chunks * micro_batch`` of them) as ``x``::
+
+            pipe = fd.pipeline_schedule(model, x, loss_fn=loss_fn, mesh=mesh,
+                                        **estimate.options.keywords())
+
+        ``pipeline_schedule`` checks that the ranks make ``num_stages``; it refuses a 1F1B
+        layout of fewer micro-batches than stages, which ``suggest_layout`` still ranks."""
+        return ScheduleOptions(
+            n_microbatches=self.chunks,
+            schedule=self.schedule,
+            stages_per_rank=self.virtual,
+            num_stages=self.stages,
+            cost=self.cost,
+            tracer=self.tracer,
+            slack=self.slack,
+            data_parallel=self.data_parallel,
+        )
 
 
 @dataclass(frozen=True)
@@ -185,6 +220,9 @@ class Priced:
     seconds: float
     #: Node name -> cost paid once per micro-batch whatever its size (roofline only).
     fixed: Mapping[str, float]
+    #: How it was priced, and the tracer asked for.
+    mode: PricingMode
+    tracer: TracerName
 
 
 @dataclass(frozen=True)
@@ -201,6 +239,8 @@ class Split:
     params: tuple[frozenset[int], ...]
     #: Bytes of each of those Parameters, by id.
     sizes: Mapping[int, int]
+    #: The slack the split was made with.
+    slack: float
 
 
 def priced_model(
@@ -208,7 +248,7 @@ def priced_model(
     example_input: Any,
     example_kwargs: Mapping[str, Any] | None,
     mode: PricingMode,
-    tracer: Any,
+    tracer: TracerName,
     device: torch.device,
     device_flops: float,
 ) -> Priced:
@@ -227,7 +267,7 @@ def priced_model(
                 fixed = {n: max(twice.nodes[n].cost - c.cost, 0.0) for n, c in costs.nodes.items()}
     seconds = 1.0 / device_flops if mode == "flops" else 1.0
     graph = to_networkx(traced.graph_module, costs)
-    return Priced(traced, costs, graph, batch, seconds, fixed)
+    return Priced(traced, costs, graph, batch, seconds, fixed, mode, tracer)
 
 
 def _costs(
@@ -262,7 +302,7 @@ def stage_split(priced: Priced, k: int, checkpoint: str, slack: float) -> Split 
     held = [stage_parameters(gm, s.nodes, shared) for s in plan.stages]
     params = tuple(frozenset(map(id, ps)) for ps in held)
     sizes = {id(p): p.numel() * p.element_size() for ps in held for p in ps}
-    return Split(plan, tuple(scaled), tuple(fixed), tuple(received), params, sizes)
+    return Split(plan, tuple(scaled), tuple(fixed), tuple(received), params, sizes, slack)
 
 
 def ranks_of(schedule: str, pp: int, v: int) -> tuple[int, ...]:
@@ -341,6 +381,9 @@ def estimate(
         fits=True,
         rank_s=tuple(busy),
         data_parallel=data_parallel,
+        cost=priced.mode,
+        tracer=priced.tracer,
+        slack=split.slack,
     )
 
 

@@ -389,6 +389,40 @@ def test_a_model_built_on_meta_is_ranked_like_the_real_one() -> None:
         fd.suggest_layout(model, x, WORLD, cost="time", device="cpu")
 
 
+def test_every_layout_gives_pipeline_schedules_options_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``estimate.options``: the layout's schedule, micro-batches, stages per rank and in all,
+    data parallelism, pricing and slack, as a record pipeline_schedule's checks accept for
+    its pipeline ranks (but a 1F1B layout of fewer micro-batches than stages, which
+    suggest_layout ranks and pipeline_schedule refuses, as torch does), and that a call
+    with its keywords passes on."""
+    for e in _layouts():
+        record = e.options
+        assert (record.schedule, record.n_microbatches, record.stages_per_rank) == (
+            e.schedule,
+            e.chunks,
+            e.virtual,
+        )
+        assert (record.num_stages, record.data_parallel) == (e.stages, e.data_parallel)
+        assert (record.cost, record.tracer, record.slack) == ("flops", "auto", 0.0)
+        if e.schedule == "1f1b" and e.chunks < e.stages:
+            with pytest.raises(ConfigError, match="at least one micro-batch per stage"):
+                record.stage_count(e.pp, mesh=e.dp > 1)
+        else:
+            assert record.stage_count(e.pp, mesh=e.dp > 1) == e.stages
+    x = torch.randn(BATCH, 32)
+    (e, *_) = fd.suggest_layout(_mlp(), x, 2, cost="auto", tracer="fx", slack=0.05)
+    assert (e.options.cost, e.options.tracer, e.options.slack) == ("roofline", "fx", 0.05)
+    from fxpipe.distributed import build
+
+    seen: list[fd.ScheduleOptions] = []
+    monkeypatch.setattr(build, "_check_initialised", lambda: None)
+    monkeypatch.setattr(build, "_build", lambda model, example, options, *_: seen.append(options))
+    fd.pipeline_schedule(_mlp(), x, loss_fn=None, **e.options.keywords())
+    assert seen == [e.options]
+
+
 def test_roofline_prices_with_keyword_inputs() -> None:
     case = ZOO["transformer"]
     args, kwargs = case.example(8)
