@@ -452,7 +452,7 @@ def predict(rows: list[dict[str, Any]], chunks: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def _options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=result_path("distributed"))
     parser.add_argument("--steps", type=int, default=5)
@@ -467,11 +467,10 @@ def main() -> None:
             f"--chunks {opts.chunks}: pass an even number >= 4 (a micro-batch for each of the "
             "4 stages, in rounds of one per rank for the interleaved schedules)"
         )
-    chunks, batch = opts.chunks, opts.chunks * MICRO
-    load_before = os.getloadavg()[0]
-    failures: list[str] = []
-    runs, costs = measure(opts.rounds, opts.warmup, opts.steps, chunks, failures)
-    rows = table(runs, chunks)
+    return opts
+
+
+def _print_rows(rows: list[dict[str, Any]], batch: int, costs: list[float]) -> None:
     print(
         f"\n{DEPTH} residual MLP blocks, width {WIDTH}, hidden {HIDDEN}; batch {batch} x "
         f"{TOKENS} tokens; plan stage costs {[f'{c:.3g}' for c in costs]}"
@@ -488,7 +487,11 @@ def main() -> None:
             f"{row['speedup']:>8.2f}x {row['speedup_over_eager']:>8.2f}x "
             f"{row['speedup_over_eager_mb']:>11.2f}x"
         )
-    piped_rows = [row for row in rows if row["mode"] in PIPELINES]
+
+
+def _bounds(rows: list[dict[str, Any]], chunks: int) -> dict[str, float]:
+    """The speed-ups the work rows allow each kind of schedule, measured in this run, and
+    the schedule's own bound ``2 m / (m + 1)``; printed with the verdict."""
     speedup = {row["mode"]: row["speedup"] for row in rows}
     best_mode = max(PIPELINES, key=lambda mode: speedup[mode])
     best = speedup[best_mode]
@@ -527,6 +530,18 @@ def main() -> None:
         f"training the whole model on half the batch (halves) {ceiling:.2f}x, DDP "
         f"{speedup['ddp'] / ceiling:.0%} of that"
     )
+    return {
+        "bound_speedup": bound,
+        "halves_speedup": ceiling,
+        "gpipe_1f1b_work_bound_speedup": bubbled_bound,
+        "looped_work_bound_speedup": looped_bound,
+        "zbv_work_bound_speedup": zbv_bound,
+    }
+
+
+def _print_predictions(rows: list[dict[str, Any]], chunks: int) -> None:
+    """Each layout's predicted step beside its measured one (added to its row), the rankings
+    both give, and the pipeline's step against data parallelism's."""
     ddp = next(row for row in rows if row["mode"] == "ddp")
     measured = [row for row in rows if row["mode"] in LAYOUTS]
     predicted = predict(rows, chunks)
@@ -544,11 +559,23 @@ def main() -> None:
         f"ranking, predicted: {', '.join(r['mode'] for r in by_prediction)}; measured: "
         f"{', '.join(r['mode'] for r in by_measure)}"
     )
-    piped = min(r["step_ms"] for r in piped_rows)
+    piped = min(r["step_ms"] for r in rows if r["mode"] in PIPELINES)
     print(
         f"step time, 2 x 1 (pipeline, best schedule) / 1 x 2 (data parallel): "
         f"{piped / ddp['step_ms']:.2f}"
     )
+
+
+def main() -> None:
+    opts = _options()
+    chunks, batch = opts.chunks, opts.chunks * MICRO
+    load_before = os.getloadavg()[0]
+    failures: list[str] = []
+    runs, costs = measure(opts.rounds, opts.warmup, opts.steps, chunks, failures)
+    rows = table(runs, chunks)
+    _print_rows(rows, batch, costs)
+    bounds = _bounds(rows, chunks)
+    _print_predictions(rows, chunks)
     print(f"load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
     print(f"runs again after a process died: {len(failures)}")
     settings = {
@@ -572,11 +599,7 @@ def main() -> None:
         "rows": rows,
         "stage_costs": costs,
         "target_speedup": TARGET,
-        "bound_speedup": bound,
-        "halves_speedup": ceiling,
-        "gpipe_1f1b_work_bound_speedup": bubbled_bound,
-        "looped_work_bound_speedup": looped_bound,
-        "zbv_work_bound_speedup": zbv_bound,
+        **bounds,
         "runs_again_after_a_process_died": failures,
         "settings": settings,
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,7 @@ def batch(step: int, size: int, device: torch.device) -> tuple[torch.Tensor, tor
     return x.to(device), (x @ teacher).argmax(-1).to(device)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="fxpipe plan on torch.distributed.pipelining")
     parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved1f1b, ...")
     parser.add_argument("--stages-per-rank", type=int, default=1)
@@ -87,23 +88,55 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1, help="pipeline replicas")
     parser.add_argument("--data-parallel", default="ddp", help="ddp or fsdp (with --dp)")
     parser.add_argument("--save", default=None, help="folder for a distributed checkpoint")
-    opts = parser.parse_args()
+    return parser.parse_args()
 
+
+def init_process_group() -> torch.device:
+    """NCCL and this process's GPU when CUDA is available, else gloo on the CPU."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl")
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pp = opts.pp or world // opts.dp
-    mesh, replica = None, 0
-    if opts.dp > 1 or pp != world:
-        from torch.distributed.device_mesh import init_device_mesh
+        return torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
 
-        mesh = init_device_mesh(device.type, (pp, opts.dp), mesh_dim_names=("pp", "dp"))
-        replica = mesh.get_local_rank("dp")
+
+def pp_dp_mesh(pp: int, dp: int, device: torch.device) -> tuple[Any, int]:
+    """A ``(pp, dp)`` mesh and this rank's replica (None and 0: one pipeline over all ranks)."""
+    if dp == 1 and pp == dist.get_world_size():
+        return None, 0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    return mesh, mesh.get_local_rank("dp")
+
+
+def train_step(
+    pipe: fd.DistributedPipeline,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> float | None:
+    """One step of the schedule and the optimizer; the mean micro-batch loss on the last
+    stage's rank (None elsewhere)."""
+    losses: list[torch.Tensor] = []
+    if pipe.is_first:
+        pipe.schedule.step(x, target=y if pipe.is_last else None, losses=losses)
+    elif pipe.is_last:
+        pipe.schedule.step(target=y, losses=losses)
+    else:
+        pipe.schedule.step()
+    pipe.sync_tied_gradients()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return torch.stack(losses).mean().item() if pipe.is_last else None
+
+
+def main() -> None:
+    opts = parse_args()
+    device = init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh, replica = pp_dp_mesh(opts.pp or world // opts.dp, opts.dp, device)
 
     def my_slice(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's rows of the global batch of ``step``."""
@@ -130,19 +163,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
 
     for step in range(opts.steps):
-        x, y = my_slice(step)
-        losses: list[torch.Tensor] = []
-        if pipe.is_first:
-            pipe.schedule.step(x, target=y if pipe.is_last else None, losses=losses)
-        elif pipe.is_last:
-            pipe.schedule.step(target=y, losses=losses)
-        else:
-            pipe.schedule.step()
-        pipe.sync_tied_gradients()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if pipe.is_last:
-            loss = torch.stack(losses).mean().item()
+        loss = train_step(pipe, optimizer, *my_slice(step))
+        if loss is not None:
             where = f"rank {rank}, replica {replica}, stages {pipe.stage_indices}"
             print(f"step {step}: loss {loss:.4f} ({where})")
 

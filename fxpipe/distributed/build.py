@@ -1,6 +1,7 @@
-"""``pipeline_schedule``: checks the options, plans the model (from costs one rank measured,
-with ``cost="time"``), fixes the activation shapes and checks that every rank planned alike,
-then hands over to :class:`DistributedPipeline`.
+"""``pipeline_schedule``: makes its options record (every option checked), plans the model
+(from costs one rank measured, with ``cost="time"``: ``agreement.py``), fixes the activation
+shapes and checks that every rank planned alike, then hands over to
+:class:`DistributedPipeline`.
 
 Activation shapes are found from the example, as torch's static stage metadata: the example
 is one step's full batch, split into ``n_microbatches`` equal micro-batches, and the stage
@@ -11,7 +12,6 @@ first step. A step with other sizes (a sequence length) re-sizes them (``step_sh
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -21,35 +21,28 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_map
 
 from fxpipe.api import Compiled, compile_model
 from fxpipe.devices.targets import parse_device
-from fxpipe.distributed.mesh import SPLIT_BACKWARD, check_sharding, mesh_layout
+from fxpipe.distributed.agreement import MeasuredCost, check_agreement, measured_costs
+from fxpipe.distributed.mesh import check_sharding, comm_device, mesh_layout
+from fxpipe.distributed.options import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    ScheduleOptions,
+    stage_ranks,
+)
 from fxpipe.distributed.runner import DistributedPipeline
 from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
 from fxpipe.distributed.step_shapes import StepShapes
-from fxpipe.errors import ConfigError, FxPipeError, InputError, PlanError
-from fxpipe.ir import PRICING_MODES, CostMode, PipelinePlan, StageProgram, TracerName
+from fxpipe.errors import ConfigError, InputError, PlanError
+from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import PlanOptions
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 
-__all__ = ["pipeline_schedule", "SCHEDULES", "V_SHAPED", "stage_ranks"]
-
-#: Schedule names accepted (case-insensitive), spelled as torch's ``get_schedule_class`` does.
-SCHEDULES = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
-#: Schedules whose 2 stages per rank sit in a V: rank r holds stages r and 2W - 1 - r.
-V_SHAPED = frozenset({"zbvzerobubble", "dualpipev"})
-_INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
+__all__ = ["pipeline_schedule", "SCHEDULES", "check_weight_part"]
 
 
 def pipeline_schedule(
@@ -113,104 +106,104 @@ def pipeline_schedule(
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
-    kind = _check_options(schedule, n_microbatches, stages_per_rank, scale_grads)
-    layout = mesh_layout(mesh, group, data_parallel, kind)
-    group = layout.pp_group
-    options = PlanOptions(
-        cost="flops" if cost == "auto" else cost,
+    _check_initialised()
+    options = ScheduleOptions(
+        n_microbatches=n_microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        num_stages=num_stages,
+        cost=cost,
         tracer=tracer,
-        chunks=n_microbatches,
+        scale_grads=scale_grads,
         slack=slack,
-        traffic="relay",
-        replicate_weights=True,  # each rank its copy; sync_tied_gradients sums them
-        reductions=False,  # torch's schedules give each micro-batch's output to loss_fn
+        data_parallel=data_parallel,
     )
+    example = example_input if isinstance(example_input, tuple) else (example_input,)
+    return _build(
+        model, (example, dict(example_kwargs or {})), options, loss_fn, group, device, mesh
+    )
+
+
+def _build(
+    model: nn.Module,
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    options: ScheduleOptions,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    group: dist.ProcessGroup | None,
+    device: Any,
+    mesh: Any,
+) -> DistributedPipeline:
+    """:func:`pipeline_schedule` once its options are a checked record: the checks that need
+    the group (still before any communication), the plan, the shapes and the agreement."""
+    layout = mesh_layout(mesh, group, options)
+    group = layout.pp_group
     world = dist.get_world_size(group)
-    total = _stage_count(world, stages_per_rank, num_stages, mesh=mesh is not None)
-    _check_micro_batches(kind, n_microbatches, world, total)
+    total = options.stage_count(world, mesh=mesh is not None)
     target = _default_device(group) if device is None else parse_device(device)
-    args = example_input if isinstance(example_input, tuple) else (example_input,)
-    kwargs = dict(example_kwargs or {})
+    args, kwargs = example
     if _model_device(model).type == "meta":
-        _check_not_timed(cost)
+        _check_not_timed(options.cost)
         args, kwargs = _to_meta((args, kwargs))
-    mb_args, mb_kwargs = _first_microbatch(args, kwargs, n_microbatches)
-    devices = [target] * total
-    if cost == "time":
-        timed = options
-        measured = _measured_costs(  # with a mesh: one measurement for every replica
-            lambda: _compile(model, args, kwargs, devices, timed),
-            group if mesh is None else None,
-            target,
-        )
-        options = replace(options, cost=measured)
-    compiled = _compile(model, args, kwargs, devices, options)
-    plan, program = compiled.plan, compiled.program
-    check_micro_batches(compiled.traced, n_microbatches, model, option="n_microbatches")
-    binder = compiled.traced.binder
+    mb_args, mb_kwargs = _first_microbatch(args, kwargs, options.n_microbatches)
+    # with a mesh, cost="time" is measured once for every replica
+    compiled = _plan(
+        model, (args, kwargs), options, [target] * total, group if mesh is None else None
+    )
+    plan, program, binder = compiled.plan, compiled.program, compiled.traced.binder
     values = binder.bind(mb_args, mb_kwargs)
     found = example_shapes(model, program, values)
     metas = list(found.metas)
     metas[0] = (tuple(meta_like(t) for t in tensors(mb_args)), metas[0][1])
-    _check_weight_part(kind, program, metas)
-    ranks = stage_ranks(world, total, v_shaped=kind in V_SHAPED)
+    check_weight_part(options.schedule, program, metas)
+    ranks = stage_ranks(world, total, v_shaped=options.schedule in V_SHAPED)
     whole = check_sharding(layout, program.modules, ranks)  # what FSDP leaves unsharded
-    config = (kind, n_microbatches, stages_per_rank, scale_grads, data_parallel, _shapes(values))
-    _check_agreement(plan, program, config, group, target)
+    agreed = (options.schedule, options.n_microbatches, options.stages_per_rank)
+    config = (*agreed, options.scale_grads, options.data_parallel, _shapes(values))
+    check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
-        _check_agreement(plan, program, config, layout.dp_group, target)
+        check_agreement(plan, program, config, layout.dp_group, target)
     sizes = StepShapes(
-        program,
-        binder,
-        found,
-        args,
-        kwargs,
-        n_microbatches=n_microbatches,
-        group=group,
-        device=target,
-        comm=_comm_device(group, target),
-    )
+        program, binder, found, args, kwargs, n_microbatches=options.n_microbatches,
+        group=group, device=target, comm=comm_device(group, target),
+    )  # fmt: skip
     return DistributedPipeline(
         model,
         plan,
         program,
         binder,
-        metas,
+        replace(found, metas=tuple(metas)),
         ranks,
-        group,
+        layout,
         target,
-        kind=kind,
-        n_microbatches=n_microbatches,
+        options,
         loss_fn=loss_fn,
-        scale_grads=scale_grads,
-        layout=layout,
-        idle=found.idle,
-        layouts=found.layouts,
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
         step_shapes=sizes,
         whole=whole,
     )
 
 
-def _stage_count(
-    world: int, stages_per_rank: int, num_stages: int | None, *, mesh: bool = False
-) -> int:
-    """``world * stages_per_rank``; ConfigError when ``num_stages`` says otherwise."""
-    total = world * stages_per_rank
-    if num_stages is not None and num_stages != total:
-        if mesh:
-            raise ConfigError(
-                f"num_stages={num_stages} but the mesh's 'pp' dimension has {world} rank(s) "
-                f"x stages_per_rank={stages_per_rank} = {total} stages; make the mesh with "
-                "pp * stages_per_rank == num_stages"
-            )
-        raise ConfigError(
-            f"num_stages={num_stages} but the group has {world} rank(s) x stages_per_rank="
-            f"{stages_per_rank} = {total} stages; launch num_stages / stages_per_rank "
-            "processes (torchrun --nproc-per-node) or set stages_per_rank so that "
-            "world_size * stages_per_rank == num_stages"
+def _plan(
+    model: nn.Module,
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    options: ScheduleOptions,
+    devices: list[torch.device],
+    group: dist.ProcessGroup | None,
+) -> Compiled:
+    """The plan every rank makes alike: from the costs group rank 0 of ``group`` measured
+    (``cost="time"``), else from the record's own cost; ConfigError for an example the
+    micro-batches would change the model's results on."""
+    args, kwargs = example
+    planning = options.plan_options()
+    if options.cost == "time":
+        timed = planning
+        measured = measured_costs(
+            lambda: _compile(model, args, kwargs, devices, timed), group, devices[0]
         )
-    return total
+        planning = replace(planning, cost=measured)
+    compiled = _compile(model, args, kwargs, devices, planning)
+    check_micro_batches(compiled.traced, options.n_microbatches, model, option="n_microbatches")
+    return compiled
 
 
 def _compile(
@@ -227,48 +220,10 @@ def _compile(
             f"the plan has {compiled.plan.num_stages} stages but {len(devices)} were asked "
             "for; use fewer processes or a smaller stages_per_rank"
         )
-    if isinstance(options.cost, _MeasuredCost):  # measured seconds, not a user's cost function
+    if isinstance(options.cost, MeasuredCost):  # measured seconds, not a user's cost function
         costs = replace(compiled.plan.costs, mode="time", unit="s")
         compiled = replace(compiled, plan=replace(compiled.plan, costs=costs))
     return compiled
-
-
-def _measured_costs(
-    profile: Callable[[], Compiled], group: dist.ProcessGroup | None, device: torch.device
-) -> _MeasuredCost:
-    """``cost="time"`` across processes: group rank 0 profiles every node once (``profile``)
-    and broadcasts the table; every rank, rank 0 too, then plans with that one table as a
-    callable cost, so the plans agree by construction. When rank 0 fails, every rank
-    raises (rank 0 its own error), instead of the others waiting for it."""
-    box: list[Any] = [None]
-    failure: Exception | None = None
-    if dist.get_rank(group) == 0:
-        try:
-            box[0] = dict(profile().plan.node_cost)
-        except Exception as e:
-            failure, box[0] = e, f"{type(e).__name__}: {e}"
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group, device=_comm_device(group, device))
-    if failure is not None:
-        raise failure
-    if not isinstance(box[0], dict):
-        raise FxPipeError(
-            f"group rank 0 could not profile the model for cost='time': {box[0]}; fix the "
-            "error rank 0 reports, or pass cost='flops'"
-        )
-    return _MeasuredCost(box[0])
-
-
-class _MeasuredCost:
-    """``(node) -> float``: the cost group rank 0 measured for the node of that name. A name
-    rank 0 did not price costs 0: that rank traced another graph, which the agreement
-    check then reports on every rank."""
-
-    def __init__(self, table: dict[str, float]) -> None:
-        self.table = table
-
-    def __call__(self, node: fx.Node) -> float:
-        return float(self.table.get(node.name, 0.0))
 
 
 def _check_not_timed(cost: Any) -> None:
@@ -279,70 +234,17 @@ def _check_not_timed(cost: Any) -> None:
         )
 
 
-def _comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """Where collectives of ``group`` put their tensors: the stage device under NCCL."""
-    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def _check_options(
-    schedule: str, n_microbatches: int, stages_per_rank: int, scale_grads: bool
-) -> str:
-    """The schedule's lower-case name, once every option that needs no peer is checked."""
+def _check_initialised() -> None:
+    """ConfigError unless torch.distributed is initialised on this rank."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "torch.distributed is not initialised; call torch.distributed."
             "init_process_group(backend='gloo' or 'nccl', ...) on every rank first (under "
             "torchrun, init_process_group() reads the rank and world size it sets)"
         )
-    kind = str(schedule).lower()
-    if kind not in {s.lower() for s in SCHEDULES}:
-        raise ConfigError(f"schedule={schedule!r} is not one of {SCHEDULES}; pick one of them")
-    for name, value in (("n_microbatches", n_microbatches), ("stages_per_rank", stages_per_rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a whole number >= 1")
-    if issubclass(get_schedule_class(kind), PipelineScheduleSingle) and stages_per_rank != 1:
-        raise ConfigError(
-            f"schedule={schedule!r} runs one stage per rank but stages_per_rank="
-            f"{stages_per_rank}; pass stages_per_rank=1, or use a schedule for several "
-            "stages per rank such as 'interleaved1f1b'"
-        )
-    if kind in _INTERLEAVED and stages_per_rank < 2:
-        raise ConfigError(
-            f"schedule={schedule!r} interleaves several stages per rank but stages_per_rank="
-            f"{stages_per_rank}; pass stages_per_rank=2 (or more), or use 'gpipe' or '1f1b'"
-        )
-    if kind in V_SHAPED and stages_per_rank != 2:
-        raise ConfigError(
-            f"schedule={schedule!r} places two stages per rank in a V; pass stages_per_rank=2"
-        )
-    if not isinstance(scale_grads, bool):
-        raise ConfigError(f"scale_grads={scale_grads!r} must be True or False")
-    return kind
 
 
-def _check_micro_batches(kind: str, n_microbatches: int, world: int, total: int) -> None:
-    """ConfigError for a micro-batch count torch's schedule class refuses when it is built,
-    which is after this rank's stages have taken their Parameters from the model: 1F1B and
-    DualPipeV need at least one micro-batch per stage, the interleaved schedules rounds of
-    equal size (``n_microbatches // world`` of them)."""
-    if kind in ("1f1b", "dualpipev") and n_microbatches < total:
-        raise ConfigError(
-            f"schedule={kind!r} needs at least one micro-batch per stage, but "
-            f"n_microbatches={n_microbatches} < {total} stages; pass n_microbatches >= "
-            f"{total}, or schedule='gpipe', which runs any number"
-        )
-    rounds = max(1, n_microbatches // world)
-    if kind in _INTERLEAVED and n_microbatches % rounds:
-        fit = max(world, n_microbatches - n_microbatches % world)
-        raise ConfigError(
-            f"schedule={kind!r} runs the micro-batches in {rounds} equal rounds "
-            f"(n_microbatches // {world} pipeline ranks), which n_microbatches="
-            f"{n_microbatches} does not divide into; pass a multiple of {world}, such as "
-            f"n_microbatches={fit}"
-        )
-
-
-def _check_weight_part(kind: str, program: StageProgram, metas: list[Metas]) -> None:
+def check_weight_part(kind: str, program: StageProgram, metas: list[Metas]) -> None:
     """ConfigError when a zero-bubble schedule would lose a stage's weight gradients: torch
     runs a stage's weight part (every stage but the first) from where its Parameters' uses
     meet what its inputs reach, and a stage none of whose inputs needs a gradient has no
@@ -395,41 +297,3 @@ def _first_microbatch(
 
 def _shapes(values: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t.shape) for t in tensors(values))
-
-
-def stage_ranks(world: int, total: int, *, v_shaped: bool) -> tuple[int, ...]:
-    """Group rank of every stage: looped (``j mod W``) or V-shaped (there and back)."""
-    out = []
-    for j in range(total):
-        lap, pos = divmod(j, world)
-        out.append(world - 1 - pos if v_shaped and lap % 2 else pos)
-    return tuple(out)
-
-
-def _check_agreement(
-    plan: PipelinePlan,
-    program: StageProgram,
-    config: Any,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-) -> None:
-    """All-gather digests of the plan and of the options; FxPipeError on every rank when a
-    rank differs from rank 0."""
-    split = repr((sorted(plan.stage_of.items()), program.inputs, program.outputs))
-    comm = _comm_device(group, device)
-    mine = torch.tensor([_digest(split), _digest(repr(config))], dtype=torch.int64, device=comm)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    for index, what in enumerate(("plan (stage of every node)", "options or example shapes")):
-        odd = [r for r, d in enumerate(everyone) if int(d[index]) != int(everyone[0][index])]
-        if odd:
-            raise FxPipeError(
-                f"rank(s) {odd} computed a different {what} than rank 0; call "
-                "pipeline_schedule on every rank with the same model (same construction and "
-                "seed), the same example and the same options, with a cost that is the same "
-                f"on every rank (one of {PRICING_MODES} or a deterministic callable)"
-            )
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)

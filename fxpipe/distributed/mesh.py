@@ -23,24 +23,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
 from fxpipe.errors import ConfigError
 
 __all__ = [
-    "DATA_PARALLEL",
-    "SPLIT_BACKWARD",
     "Layout",
     "can_leave_whole",
     "check_sharding",
+    "comm_device",
     "mesh_layout",
     "shared_on_a_rank",
 ]
-
-#: ``data_parallel=`` values: torch's DDP, or FSDP2's ``fully_shard``, over the ``"dp"`` group.
-DATA_PARALLEL = ("ddp", "fsdp")
-#: Schedules that split backward into input and weight parts (zero bubble): DDP's hooks do
-#: not follow them (its all-reduce misses the weight parts: wrong gradients, no error);
-#: FSDP2's reduce-scatter runs once the schedule has run every weight part.
-SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
 
 _Held = TypeVar("_Held", bound=Hashable)
 
@@ -153,18 +146,12 @@ def shared_on_a_rank(
     return found
 
 
-def mesh_layout(
-    mesh: Any, group: dist.ProcessGroup | None, data_parallel: str, schedule: str
-) -> Layout:
-    """The layout of ``mesh`` (None: one pipeline over ``group``); ConfigError, before any
-    communication, for a mesh without ``"pp"`` and ``"dp"`` dimensions, a mesh beside a
-    ``group``, an unknown ``data_parallel`` or a schedule it cannot follow."""
-    if data_parallel not in DATA_PARALLEL:
-        raise ConfigError(
-            f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL}; pass 'ddp' "
-            "(torch's DistributedDataParallel over the mesh's 'dp' dimension) or 'fsdp' "
-            "(FSDP2's fully_shard over it)"
-        )
+def mesh_layout(mesh: Any, group: dist.ProcessGroup | None, options: ScheduleOptions) -> Layout:
+    """The layout of ``mesh`` (None: one pipeline over ``group``) for ``options``;
+    ConfigError, before any communication, for a mesh without ``"pp"`` and ``"dp"``
+    dimensions, a mesh beside a ``group``, or a schedule its ``data_parallel`` cannot
+    follow (or FSDP on a torch without it)."""
+    data_parallel, schedule = options.data_parallel, options.schedule
     if data_parallel == "fsdp":
         _fully_shard()  # this torch has it
     if mesh is None:
@@ -239,3 +226,8 @@ def _fully_shard() -> Any:
             f"{torch.__version__} does not have; upgrade torch or pass data_parallel='ddp'"
         ) from None
     return fully_shard
+
+
+def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where collectives of ``group`` put their tensors: the stage device under NCCL."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")

@@ -17,7 +17,7 @@ from torch import nn
 
 from fxpipe.ir import StageProgram
 
-__all__ = ["Ownership", "is_dtensor", "merge_state_dicts"]
+__all__ = ["Ownership", "full_tensor", "is_dtensor", "local_tensor", "merge_state_dicts"]
 
 
 def merge_state_dicts(shards: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -136,6 +136,16 @@ def is_dtensor(t: object) -> bool:
     except ImportError:
         return False
     return isinstance(t, DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP), or ``t`` itself."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a DTensor (a collective over its mesh), or ``t`` itself."""
+    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
-"""fxpipe.distributed.suggest_layout: the layouts it ranks, its step-time terms against the
-formulas written out again here, memory against budgets, meta models and bad options."""
+"""fxpipe.distributed.layout, layout_estimate and layout_table: the layouts suggest_layout
+ranks, their step-time terms against the formulas written out again here, memory against
+budgets, meta models, bad options and the table."""
 
 from __future__ import annotations
 
@@ -15,14 +16,9 @@ from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import fxpipe.distributed as fd
-from fxpipe.distributed import layout as layout_module
-from fxpipe.distributed.layout import (
-    DEFAULT_DP_BANDWIDTH,
-    LAYOUT_SCHEDULES,
-    _in_flight,
-    _placement,
-    format_layouts,
-)
+from fxpipe.distributed import layout_estimate
+from fxpipe.distributed.layout import DEFAULT_DP_BANDWIDTH, LAYOUT_SCHEDULES, format_layouts
+from fxpipe.distributed.layout_estimate import in_flight, placement
 from fxpipe.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -224,9 +220,9 @@ def test_micro_batches_in_flight_follow_torchs_own_orders(schedule: str) -> None
                 if schedule.startswith("interleaved") and m % max(1, m // pp):
                     continue
                 for r in range(pp):
-                    stages = _placement(schedule, pp, v)[r]
+                    stages = placement(schedule, pp, v)[r]
                     per_stage, peak = _torch_peaks(_torch_order(schedule, pp, v, m, r), stages)
-                    priced = _in_flight(schedule, pp, v, m, r)
+                    priced = in_flight(schedule, pp, v, m, r)
                     if schedule in V_SHAPED:
                         assert priced == per_stage, (pp, m, r)
                     else:
@@ -293,8 +289,8 @@ def test_zbv_places_a_v_and_sends_nothing_at_its_tip() -> None:
     """ZBV on pp ranks: 2 pp stages, rank r holding r and 2 pp - 1 - r, so the border between
     stages pp - 1 and pp stays on one rank: it sends 2 pp - 2 borders' values where 1F1B
     over the same 2 pp stages (interleaved, v = 2) sends 2 pp - 1."""
-    assert _placement("zbvzerobubble", 4, 2) == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert _placement("interleaved1f1b", 4, 2) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert placement("zbvzerobubble", 4, 2) == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert placement("interleaved1f1b", 4, 2) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     x = torch.randn(16, 64)
     slow = fd.suggest_layout(_chain(), x, 2, schedules=ZERO_BUBBLE, virtual=2, chunks=4,
                              link_bandwidth=1e3)  # fmt: skip
@@ -340,7 +336,7 @@ def test_fsdp_is_ranked_where_two_stages_of_a_rank_share_a_parameter_it_can_leav
     every = {(s, k) for s in ("loopedbfs", "zbvzerobubble") for k in ("ddp", "fsdp")}
     every.discard(("zbvzerobubble", "ddp"))  # zero bubble with DDP: never
     assert replicated(shared.build(), shared_args, shared_options) == every
-    monkeypatch.setattr(layout_module, "can_leave_whole", lambda: False)
+    monkeypatch.setattr(layout_estimate, "can_leave_whole", lambda: False)
     layouts = fd.suggest_layout(case.build(), args, 4, **options)
     zbv = [e for e in layouts if e.schedule == "zbvzerobubble"]
     assert zbv and all(e.dp == 1 for e in zbv)  # (2, 2) would be FSDP: left out
@@ -393,6 +389,40 @@ def test_a_model_built_on_meta_is_ranked_like_the_real_one() -> None:
         fd.suggest_layout(model, x, WORLD, cost="time", device="cpu")
 
 
+def test_every_layout_gives_pipeline_schedules_options_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``estimate.options``: the layout's schedule, micro-batches, stages per rank and in all,
+    data parallelism, pricing and slack, as a record pipeline_schedule's checks accept for
+    its pipeline ranks (but a 1F1B layout of fewer micro-batches than stages, which
+    suggest_layout ranks and pipeline_schedule refuses, as torch does), and that a call
+    with its keywords passes on."""
+    for e in _layouts():
+        record = e.options
+        assert (record.schedule, record.n_microbatches, record.stages_per_rank) == (
+            e.schedule,
+            e.chunks,
+            e.virtual,
+        )
+        assert (record.num_stages, record.data_parallel) == (e.stages, e.data_parallel)
+        assert (record.cost, record.tracer, record.slack) == ("flops", "auto", 0.0)
+        if e.schedule == "1f1b" and e.chunks < e.stages:
+            with pytest.raises(ConfigError, match="at least one micro-batch per stage"):
+                record.stage_count(e.pp, mesh=e.dp > 1)
+        else:
+            assert record.stage_count(e.pp, mesh=e.dp > 1) == e.stages
+    x = torch.randn(BATCH, 32)
+    (e, *_) = fd.suggest_layout(_mlp(), x, 2, cost="auto", tracer="fx", slack=0.05)
+    assert (e.options.cost, e.options.tracer, e.options.slack) == ("roofline", "fx", 0.05)
+    from fxpipe.distributed import build
+
+    seen: list[fd.ScheduleOptions] = []
+    monkeypatch.setattr(build, "_check_initialised", lambda: None)
+    monkeypatch.setattr(build, "_build", lambda model, example, options, *_: seen.append(options))
+    fd.pipeline_schedule(_mlp(), x, loss_fn=None, **e.options.keywords())
+    assert seen == [e.options]
+
+
 def test_roofline_prices_with_keyword_inputs() -> None:
     case = ZOO["transformer"]
     args, kwargs = case.example(8)
@@ -423,6 +453,10 @@ def test_roofline_prices_with_keyword_inputs() -> None:
         ({"checkpoint": "sometimes"}, "checkpoint='sometimes'"),
         ({"slack": -1}, "slack=-1"),
         ({"data_parallel": "zero3"}, "data_parallel='zero3'"),
+        ({"schedules": ("1f1b", "chimera")}, "schedules[1]='chimera' is not one of"),
+        ({"schedules": ()}, "schedules=() is empty"),
+        ({"virtual": (2, 1)}, "virtual[1]=1 must be a whole number >= 2"),
+        ({"data_parallel": ("ddp", "zero3")}, "data_parallel[1]='zero3'"),
     ],
 )
 def test_bad_options_are_refused_naming_the_value(options: dict[str, object], named: str) -> None:
@@ -448,7 +482,7 @@ def test_every_layout_left_out_is_refused_naming_why(monkeypatch: pytest.MonkeyP
         example_kwargs=kwargs, chunks=(4,), schedules=("zbvzerobubble",), data_parallel="fsdp"
     )
     assert fd.suggest_layout(case.build(), args, 4, **options)  # the tied weight left whole
-    monkeypatch.setattr(layout_module, "can_leave_whole", lambda: False)
+    monkeypatch.setattr(layout_estimate, "can_leave_whole", lambda: False)
     with pytest.raises(ConfigError, match="zbvzerobubble with fsdp.*two stages of one rank"):
         fd.suggest_layout(case.build(), args, 4, **options)
 
@@ -470,7 +504,7 @@ def test_fsdp_prices_a_weight_it_leaves_whole_in_full(monkeypatch: pytest.Monkey
         return found[0].memory_bytes
 
     whole = two_by_two()
-    monkeypatch.setattr(layout_module, "_whole", lambda *_: frozenset())
+    monkeypatch.setattr(layout_estimate, "whole_parameters", lambda *_: frozenset())
     sharded = two_by_two()
     weight = model.tok.weight.numel() * model.tok.weight.element_size()
     assert whole - sharded == 4 * weight - 2 * (2 + 4 / 2) * weight

@@ -8,35 +8,40 @@ between accumulated); after every step the losses, and before every update every
 parameter's gradient, equal the eager model's, trained alike, on the same batches. The
 losses are means (cross entropy over the tokens) and ``scale_grads`` is left at its
 default. Steps the pipeline cannot take are refused on every rank.
-The ranks start as in ``test_distributed.py`` (a fork server, a hard time limit).
+The ranks start as in ``ranks.py`` (a fork server, a hard time limit). Also: the first rank's
+check of each step's call, and a call unlike the example's refused on every rank.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from models import ZOO, TinyGPT
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
-if str(TESTS.parent) not in sys.path:  # the ranks import this module by its package path
-    sys.path.append(str(TESTS.parent))
+import fxpipe.distributed as fd
+from fxpipe.api import compile_model
+from fxpipe.distributed.shapes import StageShapes, example_shapes
+from fxpipe.distributed.step_shapes import StepShapes
+from fxpipe.errors import ConfigError, InputError
+from fxpipe.options import PlanOptions
+from tests.distributed.ranks import (
+    BATCH,
+    close,
+    launch,
+    preload,
+    problem,
+    results,
+    step,
+    whole,
+)
 
-from models import ZOO, TinyGPT  # noqa: E402
-from test_distributed import _close, _launch, _results, _step, _whole  # noqa: E402
-
-import fxpipe.distributed as fd  # noqa: E402
-from fxpipe.api import compile_model  # noqa: E402
-from fxpipe.distributed.shapes import StageShapes, example_shapes  # noqa: E402
-from fxpipe.distributed.step_shapes import StepShapes  # noqa: E402
-from fxpipe.errors import ConfigError, InputError  # noqa: E402
-from fxpipe.options import PlanOptions  # noqa: E402
+preload(__name__)
 
 ROWS, N_MB, VOCAB = 8, 4, 64
 EXAMPLE, LENGTHS = 16, (12, 17, 5, 12)
@@ -147,7 +152,7 @@ def _train_lengths(
         steps = []
         for i, length in enumerate(lengths):
             args, kwargs, target = _slice(_batch(length, dp * ROWS), dp, replica)
-            losses = _step(pipe, args, kwargs, target)
+            losses = step(pipe, args, kwargs, target)
             update = (i + 1) % every == 0
             if update:  # the tied copies' gradients are summed once, before the update
                 pipe.sync_tied_gradients()
@@ -157,7 +162,7 @@ def _train_lengths(
                     "stages": pipe.stage_indices,
                     "replica": replica,
                     "loss": float(torch.stack(losses).detach().mean()) if losses else None,
-                    "grads": {k: _whole(p.grad) for k, p in own if p.grad is not None}
+                    "grads": {k: whole(p.grad) for k, p in own if p.grad is not None}
                     if update
                     else None,
                 }
@@ -179,21 +184,21 @@ def _check_steps(
     """Every step's loss (the replicas' mean) and, before each update, every gradient (the
     steps' since the last update, summed) equal eager's."""
     eager = _eager(name, lengths, dp * ROWS, every)
-    for step, (want, results) in enumerate(zip(eager, zip(*per_rank), strict=True)):
-        losses = [r["loss"] for r in results if r["loss"] is not None]
-        assert len(losses) == dp, (step, losses)
-        assert sum(losses) / dp == pytest.approx(want["loss"], rel=1e-5), f"step {step}"
-        if (step + 1) % every:
-            assert all(r["grads"] is None for r in results)
+    for at, (want, per_step) in enumerate(zip(eager, zip(*per_rank), strict=True)):
+        losses = [r["loss"] for r in per_step if r["loss"] is not None]
+        assert len(losses) == dp, (at, losses)
+        assert sum(losses) / dp == pytest.approx(want["loss"], rel=1e-5), f"step {at}"
+        if (at + 1) % every:
+            assert all(r["grads"] is None for r in per_step)
             continue
         for replica in range(dp):
             got: set[str] = set()
-            for r in (r for r in results if r["replica"] == replica):
+            for r in (r for r in per_step if r["replica"] == replica):
                 for key, grad in r["grads"].items():
-                    where = f"step {step} (length {lengths[step]}), {key}, stages {r['stages']}"
-                    _close(grad, want["grads"][key], where)
+                    where = f"step {at} (length {lengths[at]}), {key}, stages {r['stages']}"
+                    close(grad, want["grads"][key], where)
                     got.add(key)
-            assert got == set(want["grads"]), f"step {step}, replica {replica}"
+            assert got == set(want["grads"]), f"step {at}, replica {replica}"
 
 
 # ---------------------------------------------------------------------------- tests
@@ -210,8 +215,8 @@ def test_scale_grads_defaults_to_true_giving_eagers_gradients_for_a_mean_loss(
     (torch divides the whole ``.grad`` at the end of a step, the earlier step's part too)."""
     cases = [("transformer", "gpipe", 1)]
     steps = dict(lengths=(EXAMPLE, EXAMPLE), every=2)
-    runs = _launch(_train_lengths, 2, tmp_path, cases=cases, **steps)
-    _check_steps("transformer", [r[0] for r in _results(runs)], **steps)
+    runs = launch(_train_lengths, 2, tmp_path, cases=cases, **steps)
+    _check_steps("transformer", [r[0] for r in results(runs)], **steps)
 
 
 @pytest.mark.slow
@@ -224,7 +229,7 @@ def test_another_length_every_step_matches_eager_fx_traced(tmp_path: Path) -> No
         ("transformer", "interleaved1f1b", 2),
         ("transformer", "zbvzerobubble", 2),
     ]
-    runs = _results(_launch(_train_lengths, 2, tmp_path, cases=cases))
+    runs = results(launch(_train_lengths, 2, tmp_path, cases=cases))
     for index, _ in enumerate(cases):
         _check_steps("transformer", [r[index] for r in runs])
 
@@ -234,7 +239,7 @@ def test_another_length_every_step_matches_eager_export_traced(tmp_path: Path) -
     """The zoo's Llama-style decoder (torch.export: every size of the inputs dynamic) under
     GPipe and 1F1B."""
     cases = [("llama", "gpipe", 1), ("llama", "1f1b", 1)]
-    runs = _results(_launch(_train_lengths, 2, tmp_path, cases=cases))
+    runs = results(launch(_train_lengths, 2, tmp_path, cases=cases))
     for index, _ in enumerate(cases):
         _check_steps("llama", [r[index] for r in runs])
 
@@ -244,7 +249,7 @@ def test_another_length_every_step_matches_eager_hugging_face_llama(tmp_path: Pa
     """transformers' LlamaForCausalLM (torch.export; a padding mask turned into its 4-D
     causal mask inside) under 1F1B."""
     pytest.importorskip("transformers")
-    runs = _results(_launch(_train_lengths, 2, tmp_path, cases=[("hf_llama", "1f1b", 1)]))
+    runs = results(launch(_train_lengths, 2, tmp_path, cases=[("hf_llama", "1f1b", 1)]))
     _check_steps("hf_llama", [r[0] for r in runs])
 
 
@@ -266,7 +271,7 @@ def test_another_length_every_step_on_two_by_two_matches_eager(
     stages between them keeps FSDP's sharded gradients)."""
     spr = 2 if schedule == "zbvzerobubble" else 1
     options = dict(dp=2, data_parallel=data_parallel, every=every)
-    runs = _results(_launch(_train_lengths, 4, tmp_path, cases=[(name, schedule, spr)], **options))
+    runs = results(launch(_train_lengths, 4, tmp_path, cases=[(name, schedule, spr)], **options))
     _check_steps(name, [r[0] for r in runs], dp=2, every=every)
 
 
@@ -283,7 +288,7 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
     pipe = fd.pipeline_schedule(model, x, n_microbatches=N_MB, loss_fn=_sum_sq, scale_grads=False)
     model.eval()  # traced in training mode: its graph would not follow
     try:
-        _step(pipe, (x,), {}, y)
+        step(pipe, (x,), {}, y)
         out["mode"] = None
     except ConfigError as e:
         out["mode"] = str(e)
@@ -295,12 +300,12 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
     }
     for what, value in bad.items():
         try:
-            _step(pipe, (value,), {}, y)
+            step(pipe, (value,), {}, y)
             out[what] = None
         except InputError as e:
             out[what] = str(e)
     x, y = _export_only_batch(11)
-    losses = _step(pipe, (x,), {}, y)
+    losses = step(pipe, (x,), {}, y)
     out["loss"] = float(sum(losses).detach()) if losses else None
     out["grads"] = {k: p.grad.clone() for k, p in pipe.named_parameters()}
     args, kwargs, target = _batch(EXAMPLE)
@@ -312,11 +317,11 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
     example = pipe._step_shapes.example  # as if a shape had depended on values
     pipe._step_shapes.example = StageShapes(example.metas, example.layouts, by_values=True)
     try:
-        _step(pipe, *_batch(LENGTHS[0]))
+        step(pipe, *_batch(LENGTHS[0]))
         out["by_values"] = None
     except ConfigError as e:
         out["by_values"] = str(e)
-    _step(pipe, args, kwargs, target)  # the example's sizes still run
+    step(pipe, args, kwargs, target)  # the example's sizes still run
     return out
 
 
@@ -332,7 +337,7 @@ def _sum_sq(out: Any, target: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_a_step_the_pipeline_cannot_take_is_refused_on_every_rank(tmp_path: Path) -> None:
-    first, second = _results(_launch(_refusals, 2, tmp_path, pg_timeout=20))
+    first, second = results(launch(_refusals, 2, tmp_path, pg_timeout=20))
     guard, fixed, rows = first["guard"], first["fixed"], first["rows"]
     assert "x (2, 12, 16)" in guard and "x.size()[1] % 4 != 0" in guard, guard
     assert "traced for shape (batch, *, 16)" in fixed and "fixed dim 2" in fixed, fixed
@@ -354,7 +359,7 @@ def test_a_step_the_pipeline_cannot_take_is_refused_on_every_rank(tmp_path: Path
     grads = {**first["grads"], **second["grads"]}
     assert set(grads) == {k for k, _ in model.named_parameters()}
     for key, p in model.named_parameters():
-        _close(grads[key], p.grad, key)
+        close(grads[key], p.grad, key)
 
 
 @pytest.mark.parametrize("name", ["transformer", "llama"])
@@ -421,3 +426,50 @@ def test_the_first_ranks_check_refuses_a_call_unlike_the_examples() -> None:
     with pytest.raises(InputError, match="idx is a list of 8 items"):
         sizes.check((ids.tolist(),), kwargs)
     assert sizes.check((ids[:, :3],), {"attention_mask": mask[:, :3]}) == ((2, 3), (2, 3))
+
+
+class _Scaled(nn.Module):
+    """A keyword argument that is not a tensor: traced as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * scale)
+
+
+def _wrong_inputs(rank: int, world: int, *, what: str) -> dict[str, Any]:
+    """A step, then one the first rank refuses before sending anything: on a batch twice
+    the example's (torch sized every buffer from the example), or with another value of a
+    non-tensor argument (the traced graph holds the example's)."""
+    _, args, _, loss_fn, target = problem("mlp_residual")
+    pipe = fd.pipeline_schedule(
+        _Scaled(), args, example_kwargs={"scale": 2.0}, n_microbatches=N_MB, loss_fn=loss_fn
+    )
+    step(pipe, args, {"scale": 2.0}, target)
+    if what == "batch":
+        _, args, _, _, target = problem("mlp_residual", 2 * BATCH)
+    step(pipe, args, {"scale": 2.0 if what == "batch" else 3.0}, target)
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["batch", "constant"])
+def test_inputs_unlike_the_examples_are_refused_before_anything_is_sent(
+    tmp_path: Path, what: str
+) -> None:
+    """Without the checks, the last rank received into a buffer of the example's size and
+    aborted (SIGABRT) on a larger batch; another constant was a RuntimeError of torch's.
+    The first rank refuses the step and the other raises too, quoting it (no time-out)."""
+    runs = launch(_wrong_inputs, 2, tmp_path, pg_timeout=15, what=what)
+    assert all(code != 0 for code, _ in runs), [code for code, _ in runs]
+    first, second = (res["error"] for _, res in runs)
+    assert first.startswith("InputError"), first
+    assert second.startswith("InputError: the pipeline's first rank refused"), second
+    if what == "batch":
+        assert "argument x has shape (16, 32): a batch of 16 rows" in first, first
+        assert "built for batches of 8 rows" in first, first
+    else:
+        assert "argument scale is 3.0 but the pipeline was traced with 2.0" in first, first
+    assert first.removeprefix("InputError: ") in second, second

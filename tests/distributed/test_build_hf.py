@@ -2,7 +2,7 @@
 eager PyTorch: two processes on the CPU, gloo on loopback, cost="flops" and cost="time".
 
 The models are tiny configs built in float64 (no download). Two ranks start once per cost
-(the launcher of ``test_distributed.py``: a fork server, a hard time limit, results read back) and
+(the launcher of ``ranks.py``: a fork server, a hard time limit, results read back) and
 pipeline every model in turn, each for one 1F1B step with a sum-reduced LM loss; each test
 compares one model's loss and every parameter gradient with the eager model's on the whole
 batch. One Llama makes its rotary tables with autocast off, as transformers 4.x writes it:
@@ -11,7 +11,6 @@ torch.export records that region as a higher-order op whose body module each sta
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
@@ -21,18 +20,12 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from models import ResidualMLP
 from torch import nn
 
-TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
-if str(TESTS.parent) not in sys.path:  # the ranks import this module by its package path
-    sys.path.append(str(TESTS.parent))
-
-from models import ResidualMLP  # noqa: E402
-from test_distributed import _launch, _results  # noqa: E402
-
-import fxpipe.distributed as fd  # noqa: E402
-from fxpipe.errors import ConfigError, FxPipeError  # noqa: E402
+import fxpipe.distributed as fd
+from fxpipe.errors import ConfigError, FxPipeError
+from tests.distributed.ranks import launch, results
 
 # In the ``test`` extra; .ci/run fails when it does not import, so this never skips there.
 transformers = pytest.importorskip("transformers")
@@ -195,7 +188,7 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """``(cost, per-rank results by model)``: two ranks started once per cost."""
     cost = request.param
     tmp = tmp_path_factory.mktemp(f"hf_{cost}")
-    return cost, _results(_launch(_train, 2, tmp, cost=cost))
+    return cost, results(launch(_train, 2, tmp, cost=cost))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -271,7 +264,7 @@ def _profile_fails(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_time_cost_failures_reach_every_rank(tmp_path: Path) -> None:
-    first, second = _results(_launch(_profile_fails, 2, tmp_path, pg_timeout=20))
+    first, second = results(launch(_profile_fails, 2, tmp_path, pg_timeout=20))
     for r in (first, second):
         assert "'meta'" in r["meta"] and "cost='flops'" in r["meta"]
     assert first["error"][0] == "TraceError" and "cannot run" in first["error"][1]

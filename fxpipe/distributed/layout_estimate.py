@@ -1,0 +1,444 @@
+"""What fxpipe's cost model predicts for one pipeline x data-parallel layout of a model: its
+step time and its memory per rank (:class:`LayoutEstimate`), and the formulas.
+
+A layout is ``pp`` pipeline ranks x ``dp`` replicas (``pp * dp == world_size``), ``v``
+stages per rank (rank r holds stages r, r + pp, ...: torch's looped placement; for ZBV and
+DualPipeV, a V, below), ``m`` micro-batches per replica and a schedule. ``example_input`` is
+the global batch: each replica gets ``batch / dp`` rows in ``m`` equal micro-batches (``dp``
+must divide the batch, ``m`` the replica's rows). The model is traced and priced once, for
+the whole batch; each stage count ``pp * v`` is split once by fxpipe's own search, with
+relayed boundary values, as ``fd.pipeline_schedule`` plans it (pass it the same ``slack``).
+
+Step time. A stage's cost (FLOP / ``device_flops``, or roofline or profiled seconds) is for
+the whole batch, so one micro-batch takes ``t_j = cost_j / (dp m)`` (the roofline's
+per-kernel and per-weight cost, found by pricing at one and two micro-batches, is added
+once per micro-batch). ``T_r`` sums rank r's stages; ``C_r`` moves the values entering
+them from another rank (activations forward, gradients back, relayed ones included) over
+``link_bandwidth``; ``G_r`` is the bytes of its gradients::
+
+    compute   = m * max_r T_r                              busy time of the busiest rank
+    bubble    = z (sum_r T_r - max_r T_r) / v              fill and drain
+    pipeline  = m * max_r U_r + z (sum_r U_r - max_r U_r) / v,   U_r = T_r + C_r
+    p2p       = pipeline - compute - bubble                sends the critical path waits for
+    allreduce = 2 (dp - 1) / dp * max_r G_r / dp_bandwidth ring all-reduce, not overlapped
+    step      = pipeline + allreduce
+
+where ``z`` is 1 but for the zero-bubble schedules (below). With equal ranks,
+``bubble / compute`` is Narayanan et al.'s bubble time fraction (SC'21,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", §2.2):
+``(p - 1) / m`` for GPipe and 1F1B ("the time spent in the bubble is the same"), and
+``(1 / v) (p - 1) / m`` for the interleaved schedule, whose stage passes take ``t / v``;
+unequal ranks run at the busiest one's pace and pay the others' once, in the fill. Sends
+are not overlapped with compute, so v stages per rank send v times as much (the paper:
+"the amount of communication also increases by v"). Looped schedules need ``m >= pp``
+(the paper asks for a multiple of ``pp``; torch's interleaved 1F1B, a multiple of its
+rounds, ``max(1, m // pp)``). Looped BFS (Lamy-Poirier, MLSys 2023, "Breadth-First Pipeline
+Parallelism") loops the stages over the ranks as interleaving does and gets the same fill
+here; what it gains, reducing gradients (and FSDP's gathers) while later stages compute, is
+not modelled.
+
+Zero bubble (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism") splits each backward
+into an input-gradient and a weight-gradient pass and fills the bubble with the latter. With
+forward, input and weight passes of equal time its authors give 1F1B a bubble rate of
+``(p - 1) / m`` and ZB1P ``(p - 1) / (3 m)``. torch's orders, played out pass by pass with
+equal passes (``tests/distributed/test_layout.py`` does it for every schedule here), leave
+the same third for all three zero-bubble schedules: interleaved zero bubble (ZB1P looped
+over ``v`` stages per rank), ZBV and DualPipeV idle only while the first micro-batch's
+forward reaches the last rank, ``p - 1`` forward passes of the ``3 v m`` a rank runs (the
+authors' comparison lists ZBV with no bubble; torch's ZBV order idles that fill too). So the fill
+term above is multiplied by ``z = 1/3`` for them. ZBV and DualPipeV place ``2 pp`` stages in
+a V (rank r holds r and ``2 pp - 1 - r``: the border at the V's tip sends nothing); ZBV
+needs ``m >= 2 pp - 1`` micro-batches (its count to fill the V), DualPipeV ``m >= 2 pp``
+(one per stage, torch's check). DualPipeV runs a forward and a backward of the V's two
+stages together (DeepSeek-V3's overlap of computation with communication), which this model
+does not price: its passes run one after the other, as on one CPU thread. A backward
+computed in two passes costs more than in one where its kernels run apart (on one CPU thread
+here, 4-15% more time for a rank's work under ZBV than under GPipe:
+``benchmarks/distributed.py``); that is not priced either. With replicas the zero-bubble
+schedules run under FSDP only, as ``fd.pipeline_schedule`` decides: the others are left
+out. FSDP leaves a weight two stages of one rank read (a tied embedding and head on a V's
+first rank) whole on each replica (on a torch whose ``fully_shard`` cannot, such layouts
+are left out too).
+
+Memory per rank, in training: :func:`fxpipe.passes.split.plan.stage_memory` of each of its
+stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
+stage keeps for backward), its activations scaled to the micro-batches in flight at the
+rank's peak, plus one more copy of the gradients when ``dp > 1`` (DDP's buckets: torch's
+``gradient_as_bucket_view=False`` default). With ``data_parallel="fsdp"`` (FSDP2, as
+``fd.pipeline_schedule`` runs it: gathered from a step's first forward to its last
+backward) a rank holds its stages' whole weights and gradients while the step runs, and
+``1 / dp`` of the weights, gradients and Adam moments in between: ``2 + 4 / dp`` copies of
+the parameters instead of DDP's ``4 + 1``. Its gather of the weights and reduce-scatter of
+the gradients move what DDP's all-reduce moves, ``2 (dp - 1) / dp`` of the gradients,
+priced alike. In flight: all ``m`` for GPipe; ``min(m, pp - r)``
+for 1F1B ("activations to be stashed for p or fewer microbatches", ibid.); for interleaved
+1F1B torch's warm-up count plus one, ``(v - 1) * (m // rounds) + 2 (pp - 1 - r) + 1`` stage
+passes (at most ``m v``), spread evenly over the rank's stages and rounded up to whole
+micro-batches; for interleaved zero bubble ``(v - 1) * (m // rounds) + pp`` (a shorter
+warm-up, and the weight passes ``r`` behind, whose activations stay until they run); for
+ZBV and DualPipeV ``2 pp - r`` on rank r's first stage and ``r + 1`` on its second (each
+at most ``m``);
+for looped BFS, which runs every forward of a stage before the next, all ``m`` of every
+stage. These are the peaks of torch's own orders (its schedule classes' action lists).
+``fd.pipeline_schedule`` checkpoints nothing: ``checkpoint="never"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import nn
+
+from fxpipe.api import traced_example
+from fxpipe.distributed.mesh import can_leave_whole, shared_on_a_rank
+from fxpipe.distributed.options import (
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    ScheduleOptions,
+    rounds,
+    stage_ranks,
+)
+from fxpipe.errors import PlanError
+from fxpipe.ir import CostTable, PipelinePlan, PricingMode, TracerName
+from fxpipe.model_state import preserved
+from fxpipe.passes.partition.cost_graph import (
+    replicate_shared_weights,
+    replicated_attrs,
+    to_networkx,
+)
+from fxpipe.passes.partition.memory import param_copies
+from fxpipe.passes.partition.search import partition_graph
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.split.plan import build_plan, stage_memory, stage_parameters
+from fxpipe.trace.tracing import Traced, fake_runnable
+
+__all__ = [
+    "LayoutEstimate",
+    "Priced",
+    "Split",
+    "priced_model",
+    "stage_split",
+    "ranks_of",
+    "placement",
+    "runs",
+    "whole_parameters",
+    "estimate",
+    "in_flight",
+]
+
+#: The part of the fill and drain a schedule leaves idle, with forward, input-gradient and
+#: weight-gradient passes of equal time: 1 for the schedules that do not split backward; a
+#: third for the zero-bubble ones, whose torch orders idle only while the first forward
+#: reaches the last rank (the authors' ZB1P, (p - 1) / 3m against 1F1B's (p - 1) / m).
+_IDLE_FILL = {name: 1 / 3 for name in ("interleavedzerobubble", "zbvzerobubble", "dualpipev")}
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """One layout and what fxpipe's cost model predicts for one training step of it."""
+
+    #: Pipeline ranks, data-parallel replicas (``pp * dp`` is the world size).
+    pp: int
+    dp: int
+    #: Stages per pipeline rank (1 for GPipe and 1F1B).
+    virtual: int
+    #: Micro-batches per replica per step, and the rows in each.
+    chunks: int
+    micro_batch: int
+    schedule: str
+    #: Predicted seconds per step: ``compute_s + bubble_s + p2p_s + allreduce_s``.
+    step_s: float
+    #: Busy time of the busiest rank: ``chunks * max(rank_s)``.
+    compute_s: float
+    #: Fill and drain: ``(sum(rank_s) - max(rank_s)) / virtual``.
+    bubble_s: float
+    #: ``bubble_s / compute_s``: Megatron-LM's bubble time fraction, (pp - 1) / (v m) at most.
+    bubble: float
+    #: Point-to-point sends the critical path waits for.
+    p2p_s: float
+    #: Ring all-reduce of the busiest rank's gradients over the replicas.
+    allreduce_s: float
+    #: Estimated peak bytes of the rank that needs most.
+    memory_bytes: int
+    #: ``memory_bytes <= max_memory`` (True when no ``max_memory`` was given).
+    fits: bool
+    #: Forward + backward seconds of one micro-batch on each pipeline rank (its stages summed).
+    rank_s: tuple[float, ...]
+    #: How the replicas share a stage's gradients: ``"ddp"`` (each holds every parameter;
+    #: also the value when ``dp == 1``) or ``"fsdp"`` (each holds a ``1 / dp`` shard).
+    data_parallel: str = "ddp"
+    #: How the nodes were priced for the split, the tracer asked for and the slack the split
+    #: was made with: what ``fd.pipeline_schedule`` is passed to split the stages alike.
+    cost: PricingMode = "flops"
+    tracer: TracerName = "auto"
+    slack: float = 0.0
+
+    @property
+    def stages(self) -> int:
+        """Stages of the pipeline: ``pp * virtual``."""
+        return self.pp * self.virtual
+
+    @property
+    def options(self) -> ScheduleOptions:
+        """This layout as ``fd.pipeline_schedule``'s options: its schedule, ``chunks``
+        micro-batches, ``virtual`` stages per rank and ``pp * virtual`` in all, its
+        ``data_parallel``, and the pricing, tracer and slack its stages were split with. On
+        every rank, with a ``(pp, dp)`` mesh when ``dp > 1`` and the rank's replica's rows
+        (``chunks * micro_batch`` of them) as ``x``::
+
+            pipe = fd.pipeline_schedule(model, x, loss_fn=loss_fn, mesh=mesh,
+                                        **estimate.options.keywords())
+
+        ``pipeline_schedule`` checks that the ranks make ``num_stages``; it refuses a 1F1B
+        layout of fewer micro-batches than stages, which ``suggest_layout`` still ranks."""
+        return ScheduleOptions(
+            n_microbatches=self.chunks,
+            schedule=self.schedule,
+            stages_per_rank=self.virtual,
+            num_stages=self.stages,
+            cost=self.cost,
+            tracer=self.tracer,
+            slack=self.slack,
+            data_parallel=self.data_parallel,
+        )
+
+
+@dataclass(frozen=True)
+class Priced:
+    """The model traced and priced once, for the whole global batch."""
+
+    traced: Traced
+    costs: CostTable
+    graph: nx.DiGraph
+    batch: int
+    #: Seconds per unit of cost (1 / device_flops for FLOP, 1 for seconds).
+    seconds: float
+    #: Node name -> cost paid once per micro-batch whatever its size (roofline only).
+    fixed: Mapping[str, float]
+    #: How it was priced, and the tracer asked for.
+    mode: PricingMode
+    tracer: TracerName
+
+
+@dataclass(frozen=True)
+class Split:
+    """One stage count: the plan, and what each stage costs, holds and receives."""
+
+    plan: PipelinePlan
+    #: Per stage: cost proportional to the rows, and cost per micro-batch, in seconds.
+    scaled_s: tuple[float, ...]
+    fixed_s: tuple[float, ...]
+    #: Per stage: bytes entering it (relayed values, gradients back included), whole batch.
+    received: tuple[int, ...]
+    #: Per stage: the ids of the Parameters it holds (a tied weight: in every reading stage).
+    params: tuple[frozenset[int], ...]
+    #: Bytes of each of those Parameters, by id.
+    sizes: Mapping[int, int]
+    #: The slack the split was made with.
+    slack: float
+
+
+def priced_model(
+    model: nn.Module,
+    example_input: Any,
+    example_kwargs: Mapping[str, Any] | None,
+    mode: PricingMode,
+    tracer: TracerName,
+    device: torch.device,
+    device_flops: float,
+) -> Priced:
+    """Trace and price once (a model on ``meta`` on a meta copy of the example, as
+    :func:`fxpipe.api.compile_model` does)."""
+    front = traced_example(
+        model, example_input, example_kwargs, tracer=tracer, pricing=mode, reductions=False
+    )
+    with front as (traced, batch):
+        replicate_shared_weights(traced.graph_module)  # as pipeline_schedule plans them
+        with preserved(model), fake_runnable(model):
+            costs = _costs(traced, mode, device, 1)
+            fixed: dict[str, float] = {}
+            if mode == "roofline":  # a second pricing tells the per-micro-batch part apart
+                twice = _costs(traced, mode, device, 2)
+                fixed = {n: max(twice.nodes[n].cost - c.cost, 0.0) for n, c in costs.nodes.items()}
+    seconds = 1.0 / device_flops if mode == "flops" else 1.0
+    graph = to_networkx(traced.graph_module, costs)
+    return Priced(traced, costs, graph, batch, seconds, fixed, mode, tracer)
+
+
+def _costs(
+    traced: Traced, mode: PricingMode, device: torch.device, micro_batches: int
+) -> CostTable:
+    return estimate_costs(
+        traced.graph_module,
+        traced.example_values,
+        mode=mode,
+        device=device,
+        micro_batches=micro_batches,
+    )
+
+
+def stage_split(priced: Priced, k: int, checkpoint: str, slack: float) -> Split | None:
+    """The plan of ``k`` stages (None when the graph cannot be cut into that many)."""
+    try:
+        part = partition_graph(priced.graph, k, slack=slack, traffic="relay")
+    except PlanError:
+        return None
+    gm, costs = priced.traced.graph_module, priced.costs
+    plan = build_plan(gm, costs, priced.graph, part, [torch.device("meta")] * k, chunks=1,
+                      checkpoint=checkpoint)  # fmt: skip
+    fixed = [sum(priced.fixed.get(n, 0.0) for n in s.nodes) * priced.seconds for s in plan.stages]
+    scaled = [s.cost * priced.seconds - f for s, f in zip(plan.stages, fixed, strict=True)]
+    received = [0] * k
+    for e in plan.edges:
+        size = e.bytes * (2 if costs.nodes[e.value].requires_grad else 1)
+        for j in range(e.producer + 1, max(e.consumers) + 1):
+            received[j] += size
+    shared = replicated_attrs(gm)
+    held = [stage_parameters(gm, s.nodes, shared) for s in plan.stages]
+    params = tuple(frozenset(map(id, ps)) for ps in held)
+    sizes = {id(p): p.numel() * p.element_size() for ps in held for p in ps}
+    return Split(plan, tuple(scaled), tuple(fixed), tuple(received), params, sizes, slack)
+
+
+def ranks_of(schedule: str, pp: int, v: int) -> tuple[int, ...]:
+    """The pipeline rank of every stage, as ``fd.pipeline_schedule`` places them (looped:
+    r, r + pp, ...; a V: r and 2 pp - 1 - r)."""
+    return stage_ranks(pp, pp * v, v_shaped=schedule in V_SHAPED)
+
+
+def placement(schedule: str, pp: int, v: int) -> list[tuple[int, ...]]:
+    """The stages of each pipeline rank, in order (:func:`ranks_of` by rank)."""
+    ranks = ranks_of(schedule, pp, v)
+    return [tuple(j for j, rank in enumerate(ranks) if rank == r) for r in range(pp)]
+
+
+def runs(split: Split, schedule: str, pp: int, v: int, dp: int, data_parallel: str) -> bool:
+    """Whether ``fd.pipeline_schedule`` runs the layout: with replicas, a zero-bubble
+    schedule only under FSDP (DDP's all-reduce misses the weight parts), and FSDP where a
+    Parameter is read by two stages of one rank only on a torch whose ``fully_shard`` can
+    leave it whole."""
+    if dp == 1:
+        return True
+    if data_parallel == "ddp":
+        return schedule not in SPLIT_BACKWARD
+    return can_leave_whole() or not whole_parameters(split, schedule, pp, v)
+
+
+def whole_parameters(split: Split, schedule: str, pp: int, v: int) -> frozenset[int]:
+    """The Parameters FSDP leaves whole in this placement: read by two stages of one rank."""
+    return frozenset(shared_on_a_rank(split.params, ranks_of(schedule, pp, v)))
+
+
+def estimate(
+    split: Split,
+    priced: Priced,
+    shape: tuple[int, int, int, int],
+    schedule: str,
+    checkpoint: str,
+    rates: tuple[float, float],
+    data_parallel: str = "ddp",
+) -> LayoutEstimate:
+    pp, dp, v, m = shape
+    ranks = placement(schedule, pp, v)
+    rank_of = ranks_of(schedule, pp, v)
+    share = 1.0 / (dp * m)  # of the global batch, per micro-batch
+    t = [s * share + f for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]
+    sends = [  # nothing crosses a border between two stages of one rank
+        b * share / rates[0] if j > 0 and rank_of[j] != rank_of[j - 1] else 0.0
+        for j, b in enumerate(split.received)
+    ]
+    busy = [sum(t[j] for j in js) for js in ranks]
+    with_sends = [b + sum(sends[j] for j in js) for b, js in zip(busy, ranks, strict=True)]
+    idle = _IDLE_FILL.get(schedule, 1.0) / v
+    compute = m * max(busy)
+    bubble = idle * (sum(busy) - max(busy))
+    pipeline = m * max(with_sends) + idle * (sum(with_sends) - max(with_sends))
+    grads = max(sum(split.plan.stages[j].param_bytes for j in js) for js in ranks)
+    allreduce = 2 * (dp - 1) / dp * grads / rates[1]
+    sharded = dp > 1 and data_parallel == "fsdp"
+    whole = whole_parameters(split, schedule, pp, v) if sharded else frozenset()
+    memory = max(_rank_memory(split, priced, js, r, shape, schedule, checkpoint, data_parallel,
+                              whole) for r, js in enumerate(ranks))  # fmt: skip
+    return LayoutEstimate(
+        pp=pp,
+        dp=dp,
+        virtual=v,
+        chunks=m,
+        micro_batch=priced.batch // (dp * m),
+        schedule=schedule,
+        step_s=pipeline + allreduce,
+        compute_s=compute,
+        bubble_s=bubble,
+        bubble=bubble / compute if compute > 0 else 0.0,
+        p2p_s=pipeline - compute - bubble,
+        allreduce_s=allreduce,
+        memory_bytes=memory,
+        fits=True,
+        rank_s=tuple(busy),
+        data_parallel=data_parallel,
+        cost=priced.mode,
+        tracer=priced.tracer,
+        slack=split.slack,
+    )
+
+
+def in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> tuple[int, ...]:
+    """Micro-batches whose activations each stage of rank ``r`` holds (in the order of
+    :func:`placement`) at the rank's peak, in torch's orders. Looped: the rank's stage
+    passes, its warm-up count plus the one running, spread evenly over its stages."""
+    if schedule in V_SHAPED:  # warm-up: 2 pp - 1 - r passes of r's first stage, r + 1 of
+        return min(m, 2 * pp - r), min(m, r + 1)  # its second; then one in, one out of each
+    if schedule == "gpipe":
+        passes = m
+    elif schedule == "1f1b":
+        passes = min(m, pp - r)
+    elif schedule == "loopedbfs":
+        passes = m * v
+    else:  # interleaved 1F1B: 2 (pp - 1 - r) + 1 ahead; zero bubble: pp - 1 - r + 1 ahead,
+        per_round = m // rounds(m, pp)  # and its weight parts r passes late, holding theirs
+        ahead = pp if schedule == "interleavedzerobubble" else 2 * (pp - 1 - r) + 1
+        passes = min(m * v, (v - 1) * per_round + ahead)
+    return (max(1, math.ceil(passes / v)),) * v
+
+
+def _rank_memory(
+    split: Split,
+    priced: Priced,
+    stages: Sequence[int],
+    r: int,
+    shape: tuple[int, int, int, int],
+    schedule: str,
+    checkpoint: str,
+    data_parallel: str = "ddp",
+    whole: frozenset[int] = frozenset(),
+) -> int:
+    """Peak bytes of rank ``r``: each stage's training estimate with ``f`` micro-batches in
+    flight (``stage_memory`` prices ``f`` pieces of the whole batch; the activations are
+    scaled to ``f`` micro-batches of ``batch / (dp m)`` rows), plus DDP's gradient buckets,
+    or with FSDP the whole weights and gradients and a ``1 / dp`` shard of the rest (all
+    of a Parameter it leaves whole, ``whole``, once on the rank)."""
+    pp, dp, v, m = shape
+    k = split.plan.num_stages
+    copies = param_copies(True)
+    kept = whole & frozenset().union(*(split.params[j] for j in stages))
+    total = float(copies * sum(split.sizes[i] for i in kept))  # whole, once on the rank
+    for j, f in zip(stages, in_flight(schedule, pp, v, m, r), strict=True):
+        stage = split.plan.stages[j]
+        everything = stage_memory(stage, priced.costs, chunks=f, checkpoint=checkpoint,
+                                  last=j == k - 1)  # fmt: skip
+        weights = copies * stage.param_bytes
+        total += (everything - weights) * f / (dp * m)
+        if dp == 1:
+            total += weights
+        elif data_parallel == "fsdp":  # gathered weights and gradients, and the shards
+            own = stage.param_bytes - sum(split.sizes[i] for i in split.params[j] & kept)
+            sharded = max(own, 0)
+            total += (2 + copies / dp) * sharded
+        else:  # DDP: every copy, and the gradient buckets
+            total += weights + stage.param_bytes
+    return int(total)
