@@ -39,7 +39,7 @@ from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
 from fxpipe.distributed.step_shapes import StepShapes
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import CostMode, StageProgram, TracerName
-from fxpipe.options import PlanOptions
+from fxpipe.options import CompileChoice, PlanOptions
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 
 __all__ = ["pipeline_schedule", "SCHEDULES", "check_weight_part"]
@@ -63,6 +63,7 @@ def pipeline_schedule(
     slack: float = 0.0,
     mesh: Any = None,
     data_parallel: str = "ddp",
+    compile: CompileChoice = False,
 ) -> DistributedPipeline:
     """Plan ``model`` into ``world_size * stages_per_rank`` stages; build this rank's part.
 
@@ -103,6 +104,12 @@ def pipeline_schedule(
     are one replica's; with a mean-reduced loss and ``scale_grads=True`` the gradients are
     those of the mean loss over the global batch.
 
+    ``compile``: each of this rank's stages runs its forward through ``torch.compile``, as
+    :func:`fxpipe.pipeline`'s ``compile=`` does (``pipe.compilation`` counts and times it;
+    a stage that does not compile runs eagerly with a ``CompileWarning``); with GPipe,
+    1F1B, Interleaved1F1B and LoopedBFS, and DDP over a mesh's ``"dp"`` (refused with a
+    zero-bubble schedule, whose split backward a compiled stage cannot give, and with FSDP).
+
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
@@ -117,6 +124,7 @@ def pipeline_schedule(
         scale_grads=scale_grads,
         slack=slack,
         data_parallel=data_parallel,
+        compile=compile,
     )
     example = example_input if isinstance(example_input, tuple) else (example_input,)
     return _build(

@@ -21,7 +21,15 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from fxpipe.errors import ConfigError
 from fxpipe.ir import TRACERS, TracerName
-from fxpipe.options import CostChoice, PlanOptions, check_choice, check_cost, check_slack
+from fxpipe.options import (
+    CompileChoice,
+    CompileOptions,
+    CostChoice,
+    PlanOptions,
+    check_choice,
+    check_cost,
+    check_slack,
+)
 
 __all__ = [
     "ScheduleOptions",
@@ -96,6 +104,9 @@ class ScheduleOptions:
     #: How replicas of a ``(pp, dp)`` mesh share a stage's gradients (one of
     #: :data:`DATA_PARALLEL`); unused without a mesh.
     data_parallel: str = "ddp"
+    #: Each of this rank's stage forwards through ``torch.compile`` (``True``, a dict of its
+    #: settings or a :class:`fxpipe.options.CompileOptions`; kept as that record, or None).
+    compile: CompileChoice = False
 
     def __post_init__(self) -> None:
         kind = check_schedule("schedule", self.schedule)
@@ -112,6 +123,20 @@ class ScheduleOptions:
             why = " (or None: the pipeline ranks x stages_per_rank)"
             check_count("num_stages", self.num_stages, why=why)
         object.__setattr__(self, "schedule", kind)
+        compiled = CompileOptions.of(self.compile)
+        object.__setattr__(self, "compile", compiled)
+        if compiled is not None and kind in SPLIT_BACKWARD:
+            raise ConfigError(
+                f"compile= with schedule={self.schedule!r}: a zero-bubble schedule splits each "
+                "stage's backward into its input and weight parts, which a compiled stage "
+                "runs as one; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or compile=False"
+            )
+        if compiled is not None and self.data_parallel == "fsdp":
+            raise ConfigError(
+                "compile= with data_parallel='fsdp' is not supported (FSDP2 gathers and frees "
+                "the stage's parameters around each call); use data_parallel='ddp' or "
+                "compile=False"
+            )
 
     def stage_count(self, world: int, *, mesh: bool = False) -> int:
         """The stages of a pipeline over ``world`` ranks, ``world * stages_per_rank``.

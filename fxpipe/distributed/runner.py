@@ -33,6 +33,8 @@ from fxpipe.distributed.strides import Strides
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.options import CompileOptions
+from fxpipe.runtime.compiled import StageCompilation, compile_stages
 from fxpipe.runtime.variants import modes_of
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
@@ -86,6 +88,12 @@ class DistributedPipeline:
         self._model = model
         self._own = Ownership(model, program, ranks, self.rank, whole)
         self._own.place(device, [model, plan.graph_module, *program.modules])
+        labels = [f"stage {j} (rank {self.rank}, on {device})" for j in self.stage_indices]
+        #: With ``compile=``: what compiling each of this rank's stages came to.
+        compiled = CompileOptions.of(options.compile)  # the record's (already checked)
+        self.compilation: tuple[StageCompilation, ...] = (
+            () if compiled is None else compile_stages(self.stage_modules, labels, compiled)
+        )
         kept = [t for k, _, t in self._own.replicated if k in self._own.whole_keys]
         self._whole = {id(t) for t in kept if t is not None}  # left whole by FSDP (placed)
         # stages holding a trained Parameter their outputs do not depend on (none: unknown)

@@ -135,10 +135,12 @@ def train(
     scale_grads: bool = False,
     dp: int = 1,
     data_parallel: str = "ddp",
+    compile: Any = False,
 ) -> dict[str, Any]:
     """One pipelined step, then one SGD step; gradients and the state-dict shard (whole
     tensors, gathered from FSDP's shards). With ``dp > 1``: a (world / dp) x dp mesh,
-    replica ``i`` taking the i-th slice of a global batch of ``dp * BATCH``."""
+    replica ``i`` taking the i-th slice of a global batch of ``dp * BATCH``. ``compile``:
+    pipeline_schedule's (what compiling each stage came to is returned too)."""
     build, args, kwargs, loss_fn, target = problem(name, dp * BATCH)
     model = build()
     mesh, replica = None, 0
@@ -162,6 +164,7 @@ def train(
         scale_grads=scale_grads,
         mesh=mesh,
         data_parallel=data_parallel,
+        compile=compile,
     )
     import warnings
 
@@ -195,6 +198,7 @@ def train(
         "stages_using_shared": shared,
         # FSDP warns when a wrapped stage returns a view (its backward hook could be lost)
         "view_warnings": [str(w.message) for w in caught if "view" in str(w.message)],
+        "compiled": [(c.compiled, c.graphs) for c in pipe.compilation],
     }
 
 

@@ -92,6 +92,19 @@ def test_two_ranks_match_eager(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_compiled_stages_on_two_ranks_match_eager(tmp_path: Path) -> None:
+    """compile= on every rank (torch's aot_eager backend): long skips under 1F1B, a Llama
+    decoder under GPipe; losses, gradients and the merged state dict as without it."""
+    cases = [("unet", "1f1b", 1), ("llama", "gpipe", 1)]
+    runs = launch(train_cases, 2, tmp_path, cases=cases, compile={"backend": "aot_eager"})
+    for (name, _, _), *per_case in zip(cases, *results(runs)):
+        assert [r["stages"] for r in per_case] == [(0,), (1,)], name
+        for r in per_case:  # each rank's one stage compiled, none left eager
+            assert len(r["compiled"]) == 1 and all(ok and n > 0 for ok, n in r["compiled"])
+        check_against_eager(name, per_case)
+
+
+@pytest.mark.slow
 def test_four_ranks_match_eager(tmp_path: Path) -> None:
     per_rank = results(launch(train, 4, tmp_path, name="unet", schedule="1f1b"))
     assert [r["stages"] for r in per_rank] == [(0,), (1,), (2,), (3,)]

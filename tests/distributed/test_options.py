@@ -57,6 +57,15 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "slack bool": ({"slack": True}, r"slack=True must be a number"),
     "no stage": ({"num_stages": 0}, r"num_stages=0 must be a whole number >= 1 \(or None"),
     "stages as text": ({"num_stages": "4"}, r"num_stages='4' must be a whole number"),
+    "compile unknown": ({"compile": "yes"}, r"compile='yes' must be True, False or a dict"),
+    "compile zero bubble": (
+        {"compile": True, "schedule": "zbvzerobubble", "stages_per_rank": 2},
+        r"compile= with schedule='zbvzerobubble': a zero-bubble schedule splits",
+    ),
+    "compile fsdp": (
+        {"compile": True, "data_parallel": "fsdp"},
+        r"compile= with data_parallel='fsdp' is not supported",
+    ),
 }
 
 
