@@ -27,14 +27,13 @@ from fxpipe.distributed.layout_estimate import (
 )
 from fxpipe.distributed.layout_table import format_layouts
 from fxpipe.distributed.options import (
-    INTERLEAVED,
     SCHEDULES,
     V_SHAPED,
     check_count,
     check_data_parallel,
     check_each,
     check_schedule,
-    rounds,
+    micro_batch_problem,
 )
 from fxpipe.errors import ConfigError
 from fxpipe.ir import CHECKPOINT_MODES, TRACERS, CheckpointMode, PricingMode, TracerName
@@ -235,9 +234,10 @@ def _candidates(
                 continue
             for v in loops if looped else (2,) if v_shaped else (1,):
                 for m in counts:
-                    uneven = schedule in INTERLEAVED and m % rounds(m, pp) != 0
-                    if looped and (m < pp or uneven):
-                        continue  # the loop would stall; torch refuses uneven rounds
+                    if micro_batch_problem(schedule, m, pp, pp * v) is not None:
+                        continue  # pipeline_schedule (and torch) would refuse it
+                    if looped and m < pp:
+                        continue  # the loop would stall
                     if v_shaped and m < 2 * pp - (schedule == "zbvzerobubble"):
                         continue  # ZBV's V needs 2 pp - 1 to fill, DualPipeV one per stage
                     yield pp, dp, v, m, schedule

@@ -194,8 +194,8 @@ class LayoutEstimate:
             pipe = fd.pipeline_schedule(model, x, loss_fn=loss_fn, mesh=mesh,
                                         **estimate.options.keywords())
 
-        ``pipeline_schedule`` checks that the ranks make ``num_stages``; it refuses a 1F1B
-        layout of fewer micro-batches than stages, which ``suggest_layout`` still ranks."""
+        ``pipeline_schedule`` checks that the ranks make ``num_stages``; every layout
+        ``suggest_layout`` ranks has micro-batches its schedule runs."""
         return ScheduleOptions(
             n_microbatches=self.chunks,
             schedule=self.schedule,
