@@ -22,8 +22,9 @@ How a model becomes a pipeline, one direction of flow, a folder per step:
 5. run (``fxpipe/runtime/``): micro-batches flow through the stages on a clock-cycle
    schedule, one worker thread per device, copy streams for boundary values, fork/join so
    backward runs in reverse micro-batch order, and checkpoint/recompute with the RNG state
-   restored, one variant of the stages per training mode and call structure;
-   ``fxpipe/distributed/`` runs the same plan one process per stage.
+   restored, one variant of the stages per training mode and call structure, each stage
+   through ``torch.compile`` on request; ``fxpipe/distributed/`` runs the same plan one
+   process per stage.
 6. view (``fxpipe/views/``): ``print(plan)``, ``plan.draw()``, ``fxpipe.record(pipe)``, the
    planning log and the ``fxpipe inspect`` command.
 
