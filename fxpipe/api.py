@@ -40,7 +40,7 @@ from fxpipe.options import CompileChoice, PlanOptions, RunOptions
 from fxpipe.passes.partition.cost_graph import replicate_shared_weights, to_networkx
 from fxpipe.passes.partition.memory import memory_model
 from fxpipe.passes.partition.search import Partition, partition_graph
-from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.price.estimate import ValueDependentError, borrowed_costs, estimate_costs
 from fxpipe.passes.split.codegen import split_stages
 from fxpipe.passes.split.follow import follow_borders
 from fxpipe.passes.split.plan import build_plan, training_overflow
@@ -476,8 +476,9 @@ def _follow(
     new variant. Traced on ``meta`` views of the model and of an example of the leader's
     batch size (the model's tensors already live on several devices); priced by the
     roofline from the shapes torch.export recorded (the borders are the leader's: the costs
-    only describe the stages), which runs nothing, so a node whose output depends on tensor
-    values does not stop it."""
+    only describe the stages), which runs nothing; a graph that cannot be priced without
+    running it (a node whose output depends on tensor values, in an fx graph) takes the
+    leader's prices of the nodes of the same name."""
     plan = leader.plan
     batch = plan.costs.batch_size
     example = _meta_example((args, dict(kwargs)), batch)
@@ -489,13 +490,16 @@ def _follow(
         )  # fmt: skip
         with front as (traced, _), preserved(model), fake_runnable(model):
             with phase("price", f"{len(traced.graph_module.graph.nodes)} nodes, again"):
-                costs = estimate_costs(
-                    traced.graph_module,
-                    traced.example_values,
-                    mode=pricing,
-                    device=plan.devices[0],
-                    micro_batches=plan.chunks,
-                )
+                try:
+                    costs = estimate_costs(
+                        traced.graph_module,
+                        traced.example_values,
+                        mode=pricing,
+                        device=plan.devices[0],
+                        micro_batches=plan.chunks,
+                    )
+                except ValueDependentError:  # on meta: the leader's prices, node by name
+                    costs = borrowed_costs(traced.graph_module, plan.costs)
             with phase("split", "along the first trace's borders"):
                 g = to_networkx(traced.graph_module, costs)
                 stage_of = follow_borders(plan, traced.graph_module, g)

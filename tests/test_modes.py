@@ -199,3 +199,35 @@ def test_gpt2_with_dropout_evaluates_as_eager() -> None:
         first, second = pipe(ids).logits, pipe(ids).logits
         assert torch.equal(first, second)
         assert relative_error(first, eager(ids).logits) < 1e-6
+
+
+class ReadsAValue(nn.Module):
+    """A Python branch on ``self.training`` and a scalar read off a tensor (``.item()``, as
+    XLM's length check and DeBERTa's attention span do): an fx graph that cannot be priced
+    without running it, which the eval variant, traced on ``meta``, cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if self.training:
+            h = F.dropout(h, 0.5)
+        scale = self.a.weight.abs().max().item()  # a Python float from a tensor's value
+        return self.b(h) / scale
+
+
+def test_the_other_mode_of_a_graph_that_reads_a_tensor_value_runs_as_eager() -> None:
+    torch.manual_seed(0)
+    model = ReadsAValue()
+    x = torch.randn(8, 8)
+    pipe = fxpipe.pipeline(model, x, CPU2, chunks=2, cost="flops", tracer="fx")
+    pipe(x).sum().backward()
+    pipe.eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))
+    assert len(pipe.variants) == 2
+    assert pipe.variants[1].plan.stage_of.keys() >= {"item"}  # split, priced as the first

@@ -61,7 +61,14 @@ from fxpipe.passes.price.timing import step_seconds, sync, zeros_like
 from fxpipe.passes.shape_only import same_shape_output
 from fxpipe.passes.split.placement import retarget
 
-__all__ = ["estimate_costs", "output_sizes", "DEFAULT_INTENSITY", "Progress"]
+__all__ = [
+    "estimate_costs",
+    "output_sizes",
+    "borrowed_costs",
+    "ValueDependentError",
+    "DEFAULT_INTENSITY",
+    "Progress",
+]
 
 #: FLOP a device does in the time it moves one byte (machine balance), per device type.
 DEFAULT_INTENSITY = {"cpu": 10.0, "cuda": 100.0, "meta": 10.0}
@@ -121,6 +128,15 @@ def _checks_free(gm: fx.GraphModule, table: CostTable) -> CostTable:
     return dataclasses.replace(table, nodes=nodes)
 
 
+def borrowed_costs(gm: fx.GraphModule, table: CostTable) -> CostTable:
+    """``gm``'s nodes priced as ``table`` prices the nodes of the same name (another trace of
+    the same model), nothing for the others: for a graph whose split is already fixed, so
+    that its costs only describe its stages, when it cannot be priced without running it."""
+    nothing = NodeCost(cost=0.0, output_bytes=0, param_bytes=0, is_tensor=False)
+    nodes = {n.name: table.nodes.get(n.name, nothing) for n in gm.graph.nodes}
+    return CostTable(table.mode, table.unit, nodes, table.batch_size)
+
+
 def output_sizes(gm: fx.GraphModule, example_values: Sequence[Any]) -> dict[str, int] | None:
     """Bytes of every node's output (0 for values that are not tensors); from the shapes
     ``torch.export`` recorded where it did, else from one run on fake tensors. None when
@@ -161,7 +177,7 @@ def _run(
                 pricer.fake = fake
                 with fake:
                     pricer.run(*[_fake(fake, v) for v in values])
-            except _ValueDependent:
+            except ValueDependentError:
                 if any(
                     t.is_meta for t in tree_leaves(list(values)) if isinstance(t, torch.Tensor)
                 ):
@@ -175,8 +191,9 @@ def _run(
     return CostTable(mode, unit, dict(pricer.costs), _batch_size(values))
 
 
-class _ValueDependent(ConfigError):
-    """A node's output depends on tensor values, which fake tensors do not have."""
+class ValueDependentError(ConfigError):
+    """A node's output depends on tensor values (``.item()``, a data-dependent shape), which
+    fake tensors do not have, so pricing without running the graph stops there."""
 
 
 class _Pricer(fx.Interpreter):
@@ -219,7 +236,7 @@ class _Pricer(fx.Interpreter):
             with torch.enable_grad():
                 out, cost = self._price(n)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
-            raise _ValueDependent(
+            raise ValueDependentError(
                 f"cost={self.mode!r} prices nodes on fake tensors, but node {n.name!r} "
                 f"({n.format_node()}) has an output that depends on tensor values "
                 f"({type(e).__name__}); use cost='time', which runs the nodes"
