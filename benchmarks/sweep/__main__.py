@@ -6,13 +6,15 @@ Run from the repository root::
         [--out PATH] [--merge | --resume] [--list] [--show] [--label TEXT]
 
 Each model runs in a subprocess of its own (``worker.py``), in float64 with every dropout at
-zero, over 2-4 CPU stages with 4 micro-batches, through every check of ``checks.py``: today
-train mode and eval mode, each comparing outputs (structure, containers and every leaf),
-every parameter's gradient and every persistent buffer with the eager model's (the oracle,
+zero, over 2-4 CPU stages with 4 micro-batches, through every check of ``checks.py``: train
+mode and eval mode, each comparing outputs (structure, containers and every leaf), every
+parameter's gradient and every persistent buffer with the eager model's (the oracle,
 ``benchmarks/harness/oracle.py``; in train mode a model whose modules mix samples, BatchNorm
-and the like, is compared with eager run on the same micro-batches fxpipe makes). Each
-check, and the model as the worst of them, is classified equal / refused / crashed / wrong
-/ timeout (or skipped when eager itself fails here). Needs timm, torchvision and
+and the like, is compared with eager run on the same micro-batches fxpipe makes); and for
+the transformers models (``hf_checks.py``) dropout on in both modes, a loss computed inside
+the model from ``labels=``, and sequence lengths other than the example's. Each check, and
+the model as the worst of them, is classified equal / refused / crashed / wrong / timeout
+(or skipped when eager itself fails here). Needs timm, torchvision and
 transformers, which fxpipe's own environment does not have: see
 ``benchmarks/docs/sweep.md``. Rows go to ``benchmarks/results/sweep.json`` after each model.
 """

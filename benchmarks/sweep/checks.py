@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from benchmarks.harness.rows import Row
 from benchmarks.sweep.against import CHUNKS, Check, Subject, against_eager
+from benchmarks.sweep.hf_checks import dropout_on, other_lengths, with_labels
 
 __all__ = ["CHUNKS", "Subject", "Check", "CHECKS"]
 
@@ -35,4 +36,7 @@ def eval_mode(subject: Subject) -> Row:
 CHECKS: dict[str, Check] = {
     "train": train_mode,
     "eval": eval_mode,
+    "dropout": dropout_on,
+    "labels": with_labels,
+    "lengths": other_lengths,
 }

@@ -1,0 +1,244 @@
+"""The sweep's checks of its transformers models beyond train and eval mode: dropout on in
+both modes, a loss computed inside the model from ``labels=``, other sequence lengths."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from benchmarks.harness.compare import Side, compare_outputs
+from benchmarks.harness.failures import first_line
+from benchmarks.harness.models.hf_text import HfBuild
+from benchmarks.harness.models.spec import Args, Kwargs, generator
+from benchmarks.harness.oracle import backward, eager_side, loss_weights, mixes_samples, run_eager
+from benchmarks.harness.prepare import fresh, has_dropout, to_double
+from benchmarks.harness.rows import Row
+from benchmarks.sweep.against import (
+    CHUNKS,
+    Subject,
+    against_eager,
+    all_nan,
+    build_pipeline,
+    judge,
+    pipeline_side,
+)
+from benchmarks.sweep.progress import failure, phase
+
+__all__ = ["LENGTHS", "dropout_on", "with_labels", "other_lengths"]
+
+#: The sequence lengths a text model's pipeline, built at the example's 12, is called at.
+LENGTHS = (8, 17)
+_WORST = ("wrong", "crashed", "refused", "equal")
+
+
+def _hf(subject: Subject) -> HfBuild | None:
+    """The subject's transformers builder; None for timm and torchvision models."""
+    build = subject.spec.build
+    return build if isinstance(build, HfBuild) else None
+
+
+def _skipped(why: str, exc: BaseException) -> Row:
+    return {"status": "skipped", "reason": f"{why}: {first_line(repr(exc))}"}
+
+
+def _differ(one: Any, two: Any) -> bool:
+    """Do two calls' outputs differ (over the sweep's tolerance)?"""
+    return compare_outputs(one, two)[0] is not None
+
+
+def _eager_train_differs(model: torch.nn.Module, inputs: tuple[Args, Kwargs]) -> bool:
+    """Do two eager training calls of ``model`` (a copy of it) give different outputs?"""
+    oracle = copy.deepcopy(model).train()
+    with torch.no_grad():
+        return _differ(run_eager(oracle, *inputs, None), run_eager(oracle, *inputs, None))
+
+
+def dropout_on(subject: Subject) -> Row | None:
+    """The model with its config's default dropout, pipelined in train mode: after
+    ``pipe.eval()`` (under no_grad) equal to eager in eval mode, twice alike; after
+    ``pipe.train()`` two calls draw other masks where eager's do. None without dropout."""
+    build = _hf(subject)
+    if build is None:
+        return None
+    phase("dropout: build")
+    torch.manual_seed(0)
+    try:
+        model, args, kwargs = build(dropout=True)
+    except Exception as exc:
+        return _skipped("build with dropout failed", exc)
+    model = model.double()
+    if not has_dropout(model):
+        return None
+    mine = replace(subject, model=model, inputs=(to_double(args), to_double(kwargs)))
+    chunks = CHUNKS if mixes_samples(subject.spec, model, False) else None
+    row: Row = {"oracle": "micro-batches" if chunks else "whole batch"}
+    try:
+        phase("dropout: eager")
+        want = eager_side(model, mine.inputs, False, chunks, grads=False)
+        eager_differs = _eager_train_differs(model, mine.inputs)
+    except Exception as exc:
+        return {**row, **_skipped("eager failed", exc)}
+    if all_nan(want):
+        return {**row, "status": "skipped", "reason": all_nan(want)}
+    piped = copy.deepcopy(model).train()
+    try:
+        pipe = build_pipeline(mine, piped, "dropout")
+        phase("dropout: pipeline eval")
+        pipe.eval()
+        args, kwargs = mine.inputs
+        with torch.no_grad():
+            first = pipe(*fresh(args), **fresh(kwargs))
+            second = pipe(*fresh(args), **fresh(kwargs))
+        phase("dropout: pipeline train")
+        pipe.train()
+        calls = []
+        for _ in range(2):
+            output = pipe(*fresh(args), **fresh(kwargs))
+            backward(piped, output, loss_weights(output))  # recomputes under its masks
+            calls.append(output)
+    except Exception as exc:
+        return {**row, **failure(exc)}
+    verdict = judge(mine, False, chunks, Side(first, {}, {}), want, "dropout", grads=False)
+    row.update(verdict, train_calls_differ={"eager": eager_differs, "fxpipe": _differ(*calls)})
+    if verdict["status"] != "equal":
+        return {**row, "reason": f"eval after train: {verdict['reason']}"}
+    repeat, _ = compare_outputs(second, first)
+    if repeat:
+        return {**row, "status": "wrong", "reason": f"two eval calls differ: {repeat}"}
+    if eager_differs != row["train_calls_differ"]["fxpipe"]:
+        what = "the same outputs" if eager_differs else "different outputs"
+        eager = "differ" if eager_differs else "do not"
+        return {**row, "status": "wrong",
+                "reason": f"two training calls gave {what} (eager's {eager})"}  # fmt: skip
+    return row
+
+
+def _label_forms(subject: Subject) -> list[tuple[str, Tensor]]:
+    """The labels a model may take, most specific first: the decoder's next ids, the input
+    ids (padded positions -100), class ids in range(config.num_labels)."""
+    args, kwargs = subject.inputs
+    forms: list[tuple[str, Tensor]] = []
+    decoder = kwargs.get("decoder_input_ids")
+    if isinstance(decoder, Tensor):
+        labels = decoder.roll(-1, dims=1)
+        labels[1, -2:] = -100
+        forms.append(("decoder ids", labels))
+    ids = args[0] if args else kwargs.get("input_ids")
+    if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        labels = ids.clone()
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, Tensor):
+            labels[mask == 0] = -100
+        forms.append(("token ids", labels))
+    rows = next(x.size(0) for x in (*args, *kwargs.values()) if isinstance(x, Tensor))
+    classes = int(getattr(subject.model.config, "num_labels", 2))
+    forms.append(("class ids", torch.randint(0, classes, (rows,), generator=generator(5))))
+    return forms
+
+
+def _loss(subject: Subject, labels: Tensor, counts: Tensor | None, chunks: int | None) -> Any:
+    """Eager's loss in train mode with ``labels`` (on micro-batches: joined by ``counts``)."""
+    args, kwargs = subject.inputs
+    oracle = copy.deepcopy(subject.model).train()
+    with torch.no_grad():
+        output = run_eager(oracle, args, {**kwargs, "labels": labels}, chunks, counts)
+    return output.get("loss") if isinstance(output, dict) else None
+
+
+def _counts(subject: Subject, labels: Tensor, whole: Tensor | None) -> tuple[str, Tensor]:
+    """Per row, the labels the loss counts: those not -100, or for a loss over the next token
+    those after the first; the rule whose mean over micro-batches gives eager's whole-batch
+    loss ``whole`` (None: the model mixes samples, the first rule)."""
+    rules = {"rows": torch.ones(labels.size(0))}
+    if labels.dim() == 2:
+        counted = labels != -100
+        rules = {"labels not -100": counted.sum(1).double(),
+                 "labels not -100 after the first": counted[:, 1:].sum(1).double()}  # fmt: skip
+    if whole is None or len(rules) == 1:
+        return next(iter(rules.items()))
+    gaps = {k: float((_loss(subject, labels, c, CHUNKS) - whole).abs()) for k, c in rules.items()}
+    best = min(gaps, key=lambda k: gaps[k])
+    return best, rules[best]
+
+
+def with_labels(subject: Subject) -> Row | None:
+    """The train check with ``labels=`` passed, so that the loss is computed inside the model
+    (eager on micro-batches joins it as a mean weighted by the labels each counts). None for
+    a model whose forward takes no ``labels``."""
+    build = _hf(subject)
+    if build is None or "labels" not in inspect.signature(subject.model.forward).parameters:
+        return None
+    if subject.spec.mixes == "always":
+        return {"status": "skipped", "reason": "its loss adds router losses over each micro-"
+                "batch's tokens, which eager on micro-batches cannot join"}  # fmt: skip
+    mixes = mixes_samples(subject.spec, subject.model, True)
+    phase("labels: eager with each form")
+    tried = []
+    for form, labels in _label_forms(subject):
+        try:
+            whole = _loss(subject, labels, None, CHUNKS if mixes else None)
+        except Exception as exc:
+            tried.append(f"{form}: {first_line(repr(exc), 80)}")
+            continue
+        if isinstance(whole, Tensor):
+            break
+        tried.append(f"{form}: no loss")
+    else:
+        return {"status": "skipped", "reason": f"eager takes no labels: {'; '.join(tried)}"}
+    rule, counts = _counts(subject, labels, None if mixes else whole)
+    args, kwargs = subject.inputs
+    mine = replace(subject, inputs=(args, {**kwargs, "labels": labels}), counts=counts)
+    return {"labels": form, "counts": rule, **against_eager(mine, True, "labels")}
+
+
+def other_lengths(subject: Subject) -> Row | None:
+    """A text model's train-mode pipeline, built on the example (length 12), called at each
+    of :data:`LENGTHS` (every sequence input rebuilt, one row padded) against eager there:
+    outputs, gradients, buffers. A call fxpipe refuses (the model fixes a size) is refused."""
+    build = _hf(subject)
+    if build is None or not build.text:
+        return None
+    model = subject.model
+    chunks = CHUNKS if mixes_samples(subject.spec, model, True) else None
+    row: Row = {"oracle": "micro-batches" if chunks else "whole batch"}
+    results: dict[str, Row] = {}
+    wants: dict[str, tuple[Subject, Side]] = {}
+    for length in LENGTHS:
+        at = replace(subject, inputs=to_double(build.inputs(length)))
+        phase(f"lengths: {length}: eager")
+        try:
+            want = eager_side(model, at.inputs, True, chunks)
+        except Exception as exc:
+            results[str(length)] = _skipped("eager failed", exc)
+            continue
+        if all_nan(want):
+            results[str(length)] = {"status": "skipped", "reason": all_nan(want)}
+            continue
+        wants[str(length)] = at, want
+    piped = copy.deepcopy(model).train()
+    try:
+        pipe = build_pipeline(subject, piped, "lengths") if wants else None
+    except Exception as exc:
+        return {**row, **failure(exc)}
+    for size, (at, want) in wants.items():
+        label = f"lengths: {size}"
+        piped.zero_grad(set_to_none=True)
+        try:
+            got = pipeline_side(pipe, piped, at.inputs, want, label)
+        except Exception as exc:
+            results[size] = failure(exc)
+            continue
+        results[size] = judge(at, True, chunks, got, want, label)
+    results = row["lengths"] = {str(n): results[str(n)] for n in LENGTHS}
+    for status in _WORST:
+        for size, result in results.items():
+            if result["status"] == status:
+                reason = f"length {size}: {result['reason']}" if result["reason"] else ""
+                return {**row, "status": status, "reason": reason}
+    first = next(iter(results.values()))
+    return {**row, "status": "skipped", "reason": f"length {LENGTHS[0]}: {first['reason']}"}
