@@ -29,10 +29,10 @@ import fxpipe
 from benchmarks.harness.models.giants import GIANTS
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.splits import min_max_only, traffic
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.units import build_units
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.search import partition_graph
+from fxpipe.passes.partition.units import build_units
+from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.trace.tracing import trace
 
 BATCH, TOKENS = 8, 1024

@@ -30,7 +30,7 @@ stages, and Llama-7B's shape on ``meta`` (batch 8 of 1,024 tokens) on four ``met
 ``--calibrate`` measures the rates the CPU roofline uses, each on one op (a 512 x 1024 x 1024
 matrix product, 3x3 convolutions over 32x32 and 2x2 maps, attention over 256 tokens,
 ``relu`` over 128 KiB, 2 MiB and 64 MiB, a chain of tiny ops, a BatchNorm), best of 9 runs,
-and prints them; the constants in ``passes/roofline.py`` are rounded from such runs and
+and prints them; the constants in ``passes/price/roofline.py`` are rounded from such runs and
 checked against the stage times of section 3.
 """
 
@@ -199,7 +199,7 @@ def _elementwise(n: int) -> float:
 
 def calibrate() -> dict[str, float]:
     """Measure, on one thread, the CPU rates the roofline uses, one op per rate, with
-    the byte and FLOP counts of :func:`fxpipe.passes.roofline.node_work`; print them."""
+    the byte and FLOP counts of :func:`fxpipe.passes.price.roofline.node_work`; print them."""
     x = torch.randn(8, 4, requires_grad=True)
     chain = _training(lambda v: (v * 1.5 + 0.5).relu() * 2 + 1, x) - _training(torch.neg, x)
     overhead = chain / 4 / 2  # four more ops, each a forward and a backward kernel

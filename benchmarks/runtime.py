@@ -66,7 +66,7 @@ from benchmarks.harness.memory import RssSampler, maxrss_kib, reset_peak, status
 from benchmarks.harness.mlp import chunked_step, loss_of, plain_step, residual_mlp
 from benchmarks.harness.output import command_line, result_path, save_json
 from benchmarks.harness.processes import run_json
-from fxpipe.passes.plan import PARAM_COPIES
+from fxpipe.passes.split.plan import PARAM_COPIES
 
 DEFAULT_OUT = result_path("runtime")
 

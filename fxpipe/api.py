@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fxpipe.budgets import (
+from fxpipe.devices.budgets import (
     MaxMemory,
     Speed,
     parse_max_memory,
@@ -23,7 +23,8 @@ from fxpipe.budgets import (
     stage_budgets,
     stage_speeds,
 )
-from fxpipe.devices import device_capacity, normalize_devices
+from fxpipe.devices.speeds import device_kind, kind_speeds
+from fxpipe.devices.targets import device_capacity, normalize_devices
 from fxpipe.errors import ChunksWarning, ConfigError, DeviceError
 from fxpipe.ir import (
     CheckpointMode,
@@ -34,19 +35,16 @@ from fxpipe.ir import (
     StageProgram,
     TracerName,
 )
-from fxpipe.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
 from fxpipe.model_state import preserved
 from fxpipe.options import PlanOptions, RunOptions
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.follow import follow_borders
-from fxpipe.passes.memory import memory_model
-from fxpipe.passes.nx_graph import replicate_shared_weights, to_networkx
-from fxpipe.passes.partition import Partition, partition_graph
-from fxpipe.passes.plan import build_plan
-from fxpipe.passes.split_stages import split_stages
+from fxpipe.passes.partition.cost_graph import replicate_shared_weights, to_networkx
+from fxpipe.passes.partition.memory import memory_model
+from fxpipe.passes.partition.search import Partition, partition_graph
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.split.codegen import split_stages
+from fxpipe.passes.split.follow import follow_borders
+from fxpipe.passes.split.plan import build_plan, training_overflow
 from fxpipe.pipeline import Pipeline
-from fxpipe.progress import phase, pricing_progress
-from fxpipe.speeds import device_kind, kind_speeds
 from fxpipe.trace.batch_checks import check_micro_batches
 from fxpipe.trace.example_checks import (
     check_outputs_follow_batch,
@@ -55,6 +53,8 @@ from fxpipe.trace.example_checks import (
     with_reductions,
 )
 from fxpipe.trace.tracing import Traced, fake_runnable, trace
+from fxpipe.views.progress import phase, pricing_progress
+from fxpipe.weights.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
 
 __all__ = ["plan", "pipeline", "compile_model", "Compiled"]
 
@@ -77,7 +77,14 @@ class Compiled:
         follow = None
         if options is not None:
             follow = functools.partial(_follow, model, self, options)
-        return Pipeline(model, self.traced, self.plan, self.program, run, follow)
+        plan = self.plan
+        chunks = min(run.chunks, plan.costs.batch_size) if run.chunks else plan.chunks
+        overflow = (  # planned for inference: what training would need, where it would not fit
+            {}
+            if plan.training
+            else training_overflow(plan, chunks=chunks, checkpoint=run.checkpoint)
+        )
+        return Pipeline(model, self.traced, plan, self.program, run, follow, overflow)
 
 
 def plan(
@@ -455,14 +462,16 @@ def _follow(
     kwargs: Mapping[str, Any],
 ) -> tuple[Traced, PipelinePlan, StageProgram]:
     """``model`` traced as it is now (its modules' training modes) for a call of this
-    structure, split along ``leader``'s borders (:mod:`fxpipe.passes.follow`): a pipeline's
+    structure, split along ``leader``'s borders (:mod:`fxpipe.passes.split.follow`): a pipeline's
     new variant. Traced on ``meta`` views of the model and of an example of the leader's
     batch size (the model's tensors already live on several devices); priced by the
-    roofline, which runs nothing."""
+    roofline from the shapes torch.export recorded (the borders are the leader's: the costs
+    only describe the stages), which runs nothing, so a node whose output depends on tensor
+    values does not stop it."""
     plan = leader.plan
     batch = plan.costs.batch_size
     example = _meta_example((args, dict(kwargs)), batch)
-    pricing = "roofline" if options.pricing() == "time" else options.pricing()
+    pricing = "roofline"
     with preserved(model), meta_view(model, live=True):
         front = traced_example(
             model, *example, tracer=_tracer(leader.traced.tracer), pricing=pricing,

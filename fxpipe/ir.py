@@ -10,7 +10,7 @@ Terms used across the package:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -43,6 +43,7 @@ __all__ = [
     "PRICING_MODES",
     "TRACERS",
     "TRAFFIC",
+    "show_plans_with",
 ]
 
 #: Which micro-batches a stage checkpoints in training (recomputing their forward in
@@ -134,6 +135,9 @@ class StagePlan:
     inputs: tuple[str, ...]
     #: Values the stage produces that a later stage or the model output reads.
     outputs: tuple[str, ...]
+    #: The first and last module paths the stage covers (node names where it has none;
+    #: ``("-", "-")`` for a stage without nodes): how messages and charts name it.
+    span: tuple[str, str] = ("-", "-")
 
     @property
     def num_nodes(self) -> int:
@@ -150,6 +154,29 @@ class BoundaryEdge:
     consumers: tuple[int, ...]
     #: Bytes of the value for the example batch (sent once per consumer stage).
     bytes: int
+
+
+#: How a plan is shown (``summary``, ``to_dot``, ``draw``): given by :mod:`fxpipe.views` when
+#: it is imported (``import fxpipe`` imports it), so that the records every step shares
+#: import none of the steps.
+_PLAN_VIEWS: dict[str, Callable[..., Any]] = {}
+
+
+def show_plans_with(
+    *,
+    summary: Callable[..., str],
+    to_dot: Callable[..., str],
+    draw: Callable[..., Path],
+) -> None:
+    """Set the functions :class:`PipelinePlan`'s ``summary``, ``to_dot`` and ``draw`` call."""
+    _PLAN_VIEWS.update(summary=summary, to_dot=to_dot, draw=draw)
+
+
+def _shown_by(name: str) -> Callable[..., Any]:
+    view = _PLAN_VIEWS.get(name)
+    if view is None:
+        raise RuntimeError(f"no view of plans is set for {name!r}: import fxpipe first")
+    return view
 
 
 @dataclass(frozen=True)
@@ -212,15 +239,11 @@ class PipelinePlan:
 
     def summary(self) -> str:
         """A table a person reads: one row per stage, totals and predictions below."""
-        from fxpipe.views.report import plan_summary
-
-        return plan_summary(self)
+        return str(_shown_by("summary")(self))
 
     def to_dot(self, level: str = "stage") -> str:
         """Graphviz text of the stages ("stage") or of every node clustered by stage ("node")."""
-        from fxpipe.views.report import plan_to_dot
-
-        return plan_to_dot(self, level=level)
+        return str(_shown_by("to_dot")(self, level=level))
 
     def draw(
         self, path: str | PathLike[str], *, kind: str = "graph", level: str = "stage"
@@ -232,9 +255,7 @@ class PipelinePlan:
         ``kind="balance"``: stage cost against the lower bound and memory against capacity,
         as .png/.svg/.pdf through matplotlib (the ``viz`` extra).
         """
-        from fxpipe.views.viz import draw_plan
-
-        return draw_plan(self, path, kind=kind, level=level)
+        return Path(_shown_by("draw")(self, path, kind=kind, level=level))
 
     def draw_balance(self, path: str | PathLike[str]) -> Path:
         """``draw(path, kind="balance")``."""

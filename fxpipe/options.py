@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxpipe.budgets import MaxMemory, Speed, parse_max_memory, parse_speed
-from fxpipe.devices import parse_device
+from fxpipe.devices.budgets import MaxMemory, Speed, parse_max_memory, parse_speed
+from fxpipe.devices.targets import parse_device
 from fxpipe.errors import ConfigError
 from fxpipe.ir import (
     CHECKPOINT_MODES,
@@ -52,17 +52,17 @@ class PlanOptions:
     slack: float = 0.0
     #: How boundary values travel: straight to every reader, or relayed stage by stage.
     traffic: Traffic = "direct"
-    #: Bytes each device's stages may use (:mod:`fxpipe.budgets`; None: present devices'
-    #: capacities). Kept in its checked form, :class:`fxpipe.budgets.DeviceValues`.
+    #: Bytes each device's stages may use (:mod:`fxpipe.devices.budgets`; None: present devices'
+    #: capacities). Kept in its checked form, :class:`fxpipe.devices.budgets.DeviceValues`.
     max_memory: MaxMemory = None
-    #: Relative throughput of each device (:mod:`fxpipe.budgets`; None: all equal).
+    #: Relative throughput of each device (:mod:`fxpipe.devices.budgets`; None: all equal).
     speed: Speed = None
     #: Every stage reading a shared weight (a tied embedding and head) holds it, rather
     #: than receiving it from the first with every micro-batch: for runtimes that sum the
     #: copies' gradients once per step (one process per stage).
     replicate_weights: bool = False
     #: Compute outputs that reduce over the batch (a loss inside the model) from partial
-    #: sums per micro-batch (:mod:`fxpipe.passes.reductions`); False refuses them, for
+    #: sums per micro-batch (:mod:`fxpipe.passes.batch.reductions`); False refuses them, for
     #: runtimes that hand each micro-batch's output to a loss function of their own.
     reductions: bool = True
 

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.devices import same_device
-from fxpipe.drop_in import DropIn
+from fxpipe.devices.targets import same_device
 from fxpipe.errors import (
     ChunksWarning,
     ConfigError,
@@ -25,17 +24,17 @@ from fxpipe.errors import (
     MemoryEstimateWarning,
     PlanError,
 )
+from fxpipe.interop.trainers import DropIn
 from fxpipe.ir import CHECKPOINT_MODES, CheckpointMode, PipelinePlan, StageProgram, ValueRef
-from fxpipe.materialise import Materialised
 from fxpipe.options import RunOptions, check_choice
-from fxpipe.passes.plan import stage_span, training_overflow
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.executor import Executor
 from fxpipe.runtime.microbatch import gather, scatter
 from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
+from fxpipe.runtime.variants import Follow, Variant, Variants, check_placement, modes_of
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 from fxpipe.trace.tracing import Traced
-from fxpipe.variants import Follow, Variant, Variants, check_placement, modes_of
+from fxpipe.weights.materialise import Materialised
 
 __all__ = ["Pipeline"]
 
@@ -59,9 +58,15 @@ class Pipeline(DropIn):
         program: StageProgram,
         run: RunOptions,
         follow: Follow | None = None,
+        overflow: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
+        """``follow``: traces the model again for a call of another mode or structure (none:
+        such a call is refused); ``overflow``: for a plan made for inference, each device
+        its split would not fit in training, with the bytes needed and the capacity (warned
+        about at the first training call)."""
         super().__init__()
-        chunks = plan.chunks  # what the example batch runs as: chunks, at most its size
+        # what the example batch runs as: chunks (the plan's by default), at most its size
+        chunks = min(run.chunks, plan.costs.batch_size) if run.chunks else plan.chunks
         self.module = model
         self.plan = plan
         self.devices = tuple(plan.devices)
@@ -79,12 +84,8 @@ class Pipeline(DropIn):
         self._variants = Variants(model, first, follow, self._variant)
         self._modules_at_build = _module_ids(model)
         self.training = model.training
-        self._training_overflow = (  # planned for inference: what training would need
-            {}
-            if plan.training
-            else training_overflow(plan, chunks=chunks, checkpoint=run.checkpoint)
-        )
-        self._stand_in_for(model)  # forward's signature, to(), config...: fxpipe.drop_in
+        self._training_overflow = dict(overflow or {})
+        self._stand_in_for(model)  # forward's signature, to(), config...: fxpipe.interop.trainers
 
     def _variant(
         self,
@@ -133,7 +134,7 @@ class Pipeline(DropIn):
     def variants(self) -> tuple[Variant, ...]:
         """Every form of the model this pipeline has traced and runs: the first (whose plan
         is :attr:`plan`), and one for each other set of training modes or call structure it
-        was called with (:mod:`fxpipe.variants`)."""
+        was called with (:mod:`fxpipe.runtime.variants`)."""
         return tuple(self._variants.all)
 
     @property
@@ -273,6 +274,13 @@ class Pipeline(DropIn):
                 stage.train(mode)
         return self
 
+    @property
+    def materialised(self) -> Materialised:
+        """For a model built on ``meta``: which of its tensors were made on their stage's
+        device, which are still unloaded, and the non-persistent buffers a load may fill
+        (``fxpipe.load_checkpoint`` marks what it loads here)."""
+        return self._materialised
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own state dict (same keys as ``model.state_dict()``, the same values).
 
@@ -340,7 +348,7 @@ def _unshared(state: Any, prefix: str) -> Any:
 
 def _stage_label(plan: PipelinePlan, j: int) -> str:
     """``stage 1 (blocks.2 to head, on cpu)``: a stage as its modules name it."""
-    first, last = stage_span(plan, plan.stages[j])
+    first, last = plan.stages[j].span
     span = first if first == last else f"{first} to {last}"
     return f"stage {j} ({span + ', ' if span else ''}on {plan.stages[j].device})"
 
@@ -368,7 +376,7 @@ def _place_parameters(
 ) -> Materialised:
     """Move every parameter and buffer a stage holds to that stage's device, in place
     (``.data`` is replaced, the objects stay); one on ``meta`` is made there, uninitialised
-    (:mod:`fxpipe.materialise`); all or nothing."""
+    (:mod:`fxpipe.weights.materialise`); all or nothing."""
     _check_one_device_each(model, program, devices)
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     made = Materialised(model)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from fxpipe.passes.units import Units
-from fxpipe.passes.windows import _coarse_dag, _coarse_units
+from fxpipe.passes.partition.units import Units
+from fxpipe.passes.partition.windows import _coarse_dag, _coarse_units
 from fxpipe.runtime.checkpoint import Checkpointing
 from fxpipe.runtime.worker import InQueue, OutQueue, WorkerPool
 

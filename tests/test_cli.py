@@ -155,7 +155,7 @@ def test_progress_only_on_a_terminal() -> None:
     assert quiet.getvalue() == ""
     loud = _Terminal()
     with cli._progress("fxpipe: planning", loud):
-        from fxpipe.passes import cost_model
+        from fxpipe.passes.price import estimate as cost_model
 
         assert cost_model._Pricer.run_node.__name__ == "run_node"
     assert "fxpipe: planning: done in" in loud.getvalue()

@@ -279,9 +279,15 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
     found on the example's values."""
     out: dict[str, Any] = {}
     x, y = _export_only_batch(10)
-    pipe = fd.pipeline_schedule(
-        ZOO["export_only"].build(), x, n_microbatches=N_MB, loss_fn=_sum_sq, scale_grads=False
-    )
+    model = ZOO["export_only"].build()
+    pipe = fd.pipeline_schedule(model, x, n_microbatches=N_MB, loss_fn=_sum_sq, scale_grads=False)
+    model.eval()  # traced in training mode: its graph would not follow
+    try:
+        _step(pipe, (x,), {}, y)
+        out["mode"] = None
+    except ConfigError as e:
+        out["mode"] = str(e)
+    model.train()
     bad = {
         "guard": torch.randn(ROWS, 12, 16),
         "fixed": torch.randn(ROWS, 10, 8),
@@ -337,6 +343,7 @@ def test_a_step_the_pipeline_cannot_take_is_refused_on_every_rank(tmp_path: Path
         assert first[what] in second[what], second[what]
     for r in (first, second):
         assert "found them on the example's own values" in r["by_values"], r["by_values"]
+        assert "traced in training mode" in r["mode"] and "model.eval() first" in r["mode"]
         assert "pad every batch" in r["by_values"]
     # the step after the refusals is eager's
     model = ZOO["export_only"].build()

@@ -226,7 +226,7 @@ def test_a_failure_while_placing_puts_the_made_tensors_back_on_meta(
     def fail(self: Any, devices: Any) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr("fxpipe.materialise.Materialised.finish", fail)
+    monkeypatch.setattr("fxpipe.weights.materialise.Materialised.finish", fail)
     with pytest.raises(RuntimeError, match="injected"):
         _pipe(model, case)
     assert [id(t) for t in [*model.parameters(), *model.buffers()]] == objects
@@ -257,7 +257,7 @@ def test_a_call_before_loading_is_refused_naming_the_keys_and_the_remedy() -> No
         pipe(*args)
     assert "'inp.weight'" not in str(info.value)
     pipe.load_state_dict({k: v for k, v in state.items() if k.startswith("bns.")}, strict=False)
-    assert not pipe._materialised.active  # nothing pending: one flag read per call from now
+    assert not pipe.materialised.active  # nothing pending: one flag read per call from now
     _assert_equals_eager(pipe, eager, case)
 
 

@@ -20,8 +20,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSES = ROOT / "passes"
-SOURCES = sorted((ROOT / "fxpipe").rglob("*.py")) + sorted(PASSES.glob("*.py"))
-PASS_MODULES = sorted(p.stem for p in PASSES.glob("*.py") if p.stem != "__init__")
+PASS_FILES = sorted(PASSES.rglob("*.py"))
+#: Every source file once (fxpipe/passes is a link to passes/).
+SOURCES = [p for p in sorted((ROOT / "fxpipe").rglob("*.py")) if "passes" not in p.parts]
+SOURCES += PASS_FILES
+#: Every module of passes/ by its path there: ``price/roofline`` (packages' __init__ too).
+PASS_MODULES = sorted(p.relative_to(PASSES).with_suffix("").as_posix() for p in PASS_FILES)
 FORBIDDEN_IN_PASSES = ("fxpipe.runtime", "fxpipe.api", "fxpipe.pipeline")
 
 RUN_EVERY_PASS = textwrap.dedent(
@@ -30,12 +34,12 @@ RUN_EVERY_PASS = textwrap.dedent(
     import torch
     from torch import nn
     from fxpipe.trace.tracing import trace
-    from fxpipe.passes.cost_model import estimate_costs
-    from fxpipe.passes.nx_graph import to_networkx
-    from fxpipe.passes.units import build_units
-    from fxpipe.passes.partition import partition_graph
-    from fxpipe.passes.plan import build_plan
-    from fxpipe.passes.split_stages import split_stages, run_stages
+    from fxpipe.passes.price.estimate import estimate_costs
+    from fxpipe.passes.partition.cost_graph import to_networkx
+    from fxpipe.passes.partition.units import build_units
+    from fxpipe.passes.partition.search import partition_graph
+    from fxpipe.passes.split.plan import build_plan
+    from fxpipe.passes.split.codegen import split_stages, run_stages
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
     t = trace(model, (torch.randn(3, 4),))
@@ -55,19 +59,20 @@ def _loaded_from_passes() -> list[str]:
     out = []
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if path and Path(path).resolve().parent == PASSES:
+        if path and PASSES in Path(path).resolve().parents:
             out.append(name)
     return sorted(out)
 
 
 def test_passes_import_as_fxpipe_passes() -> None:
-    partition = importlib.import_module("fxpipe.passes.partition")
-    assert partition.__name__ == "fxpipe.passes.partition"
+    partition = importlib.import_module("fxpipe.passes.partition.search")
+    assert partition.__name__ == "fxpipe.passes.partition.search"
     assert callable(partition.partition_graph)
     package = Path(importlib.import_module("fxpipe.passes").__file__).resolve().parent
     for stem in PASS_MODULES:
-        module = importlib.import_module(f"fxpipe.passes.{stem}")
-        assert module.__name__ == f"fxpipe.passes.{stem}"
+        name = "fxpipe.passes." + stem.replace("/", ".").removesuffix(".__init__")
+        module = importlib.import_module(name.removesuffix(".__init__"))
+        assert module.__name__ == name.removesuffix(".__init__")
         assert Path(module.__file__).resolve() == package / f"{stem}.py"
 
 
@@ -120,7 +125,7 @@ def _imported_modules(path: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("path", sorted(PASSES.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PASS_FILES, ids=lambda p: str(p.relative_to(PASSES)))
 def test_passes_never_import_the_runtime_or_the_api(path: Path) -> None:
     for name in _imported_modules(path):
         for banned in FORBIDDEN_IN_PASSES:
@@ -136,21 +141,82 @@ def test_passes_never_import_the_runtime_or_the_api(path: Path) -> None:
             )
 
 
-#: Outside ``fxpipe/views/`` only these import the views: the package (``fxpipe.record``),
-#: the command line, and ``ir`` (inside PipelinePlan.summary, to_dot and draw).
-VIEW_IMPORTERS = frozenset({"fxpipe/__init__.py", "fxpipe/__main__.py", "fxpipe/ir.py"})
+#: fxpipe's layers, lowest first: a module imports fxpipe modules of its own layer and of
+#: those below only (the README's "How it works" draws them). The passes import the first
+#: layer alone (above), and the runtime and the Pipeline never import a pass.
+LAYERS: list[tuple[str, ...]] = [
+    ("fxpipe.errors", "fxpipe.ir", "fxpipe.model_state"),
+    ("fxpipe.passes", "fxpipe.devices"),
+    ("fxpipe.trace", "fxpipe.options", "fxpipe.interop"),
+    ("fxpipe.runtime", "fxpipe.weights.materialise"),
+    ("fxpipe.pipeline",),
+    ("fxpipe.views", "fxpipe.weights.loading"),
+    ("fxpipe.api", "fxpipe.distributed"),
+    ("fxpipe", "fxpipe.__main__", "fxpipe.views.cli"),  # the command line: the package's user
+]
+NEVER_A_PASS = ("fxpipe.runtime", "fxpipe.pipeline")
 
 
-def test_only_the_entry_points_import_the_views() -> None:
+def _module_name(path: Path) -> str:
+    """``fxpipe.runtime.executor`` for fxpipe/runtime/executor.py (passes/x.py is
+    fxpipe.passes.x; a package's __init__ is the package)."""
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = list(relative.parts)
+    if parts[0] == "passes":
+        parts = ["fxpipe", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _layer(name: str) -> int:
+    """The layer of module ``name`` (its longest listed prefix)."""
+    best, found = -1, -1
+    for k, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), k
+    assert found >= 0, f"{name} is in no layer: add it to LAYERS"
+    return found
+
+
+def _fxpipe_imports(path: Path) -> set[str]:
+    """The fxpipe modules ``path`` imports (a name imported from a module counts as that
+    module, unless it is a module itself)."""
+    known = {_module_name(p) for p in SOURCES}
+    out = set()
+    for name in _imported_modules(path):
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name.startswith("fxpipe"):
+            out.add(name)
+    return out - {_module_name(path)}
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_follow_the_layers(path: Path) -> None:
+    me = _module_name(path)
+    for name in _fxpipe_imports(path):
+        assert _layer(name) <= _layer(me), (
+            f"{me} (layer {_layer(me)}) imports {name} (layer {_layer(name)}): a layer imports "
+            "its own and lower ones only; move what it needs down"
+        )
+        if me.startswith(NEVER_A_PASS):
+            assert not name.startswith("fxpipe.passes"), f"{me} imports the pass {name}"
+
+
+def test_no_module_imports_itself_round_about() -> None:
+    """No import cycle between fxpipe's modules, imports under TYPE_CHECKING and inside
+    functions included."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
     for path in SOURCES:
-        where = path.relative_to(ROOT).as_posix()
-        if where.startswith("fxpipe/views/") or where in VIEW_IMPORTERS:
-            continue
-        for name in _imported_modules(path):
-            assert name != "fxpipe.views" and not name.startswith("fxpipe.views."), (
-                f"{where} imports {name}; views sit on top: move what it needs beside the "
-                "plan (fxpipe.ir, fxpipe.passes) or the runtime"
-            )
+        me = _module_name(path)
+        graph.add_node(me)
+        graph.add_edges_from((me, name) for name in _fxpipe_imports(path) if name != "fxpipe")
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, f"import cycles: {cycles[:3]}"
 
 
 def test_the_ast_check_sees_a_banned_import(tmp_path: Path) -> None:
@@ -209,9 +275,12 @@ def test_the_editable_install_puts_a_static_fxpipe_with_passes_on_sys_path() -> 
     package = folders[0] / "fxpipe"
     assert (package / "py.typed").is_file()
     assert (package / "__init__.py").resolve() == ROOT / "fxpipe" / "__init__.py"
-    assert sorted(p.name for p in (package / "passes").glob("*.py")) == sorted(
-        p.name for p in PASSES.glob("*.py")
-    ), "a module added to or removed from passes/ since the last pip install -e"
+    installed = sorted(
+        p.relative_to(package / "passes") for p in (package / "passes").rglob("*.py")
+    )
+    assert installed == sorted(p.relative_to(PASSES) for p in PASS_FILES), (
+        "a module added to or removed from passes/ since the last pip install -e"
+    )
     for stem in PASS_MODULES:
         assert (package / "passes" / f"{stem}.py").resolve() == PASSES / f"{stem}.py"
     assert sorted(p.name for p in folders[0].iterdir()) == ["fxpipe"]
@@ -221,7 +290,7 @@ def test_the_editable_install_puts_a_static_fxpipe_with_passes_on_sys_path() -> 
 #: a wrong type is an error only when it does (a module it cannot see is Any, or missing).
 USER_CODE = textwrap.dedent(
     """
-    from fxpipe.passes.partition import partition_graph
+    from fxpipe.passes.partition.search import partition_graph
 
     partition_graph(None, "two")
     """
@@ -251,14 +320,17 @@ def test_mypy_outside_the_repository_reads_fxpipe_passes(tmp_path: Path) -> None
 
 def test_python_started_in_the_repository_root_finds_fxpipe_passes() -> None:
     """There ./fxpipe comes first on sys.path; its link fxpipe/passes makes it whole."""
-    show = "import fxpipe, fxpipe.passes.partition as p; print(fxpipe.__file__); print(p.__file__)"
+    show = (
+        "import fxpipe, fxpipe.passes.partition.search as p; "
+        "print(fxpipe.__file__); print(p.__file__)"
+    )
     done = subprocess.run(
         [sys.executable, "-c", show], capture_output=True, text=True, cwd=ROOT, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
     package, partition = done.stdout.strip().splitlines()[-2:]
     assert Path(package) == ROOT / "fxpipe" / "__init__.py"
-    assert Path(partition).resolve() == PASSES / "partition.py"
+    assert Path(partition).resolve() == PASSES / "partition" / "search.py"
 
 
 def test_the_wheel_holds_fxpipe_passes_and_no_top_level_passes(tmp_path: Path) -> None:
@@ -290,5 +362,8 @@ def test_the_wheel_holds_fxpipe_passes_and_no_top_level_passes(tmp_path: Path) -
     tops = {n.split("/")[0] for n in names}
     assert tops == {"fxpipe", f"fxpipe-{wheel.name.split('-')[1]}.dist-info"}
     assert top_level.decode().split() == ["fxpipe"]
-    assert passes == {f"fxpipe/passes/{p.name}": p.read_bytes() for p in PASSES.glob("*.py")}
+    want = {
+        f"fxpipe/passes/{p.relative_to(PASSES).as_posix()}": p.read_bytes() for p in PASS_FILES
+    }
+    assert passes == want
     assert "fxpipe/py.typed" in names

@@ -28,7 +28,7 @@ from fxpipe.errors import (
     PlanError,
     StageRunError,
 )
-from fxpipe.variants import MAX_VARIANTS
+from fxpipe.runtime.variants import MAX_VARIANTS
 
 
 class Net(nn.Module):

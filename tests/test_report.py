@@ -15,7 +15,6 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.ir import PipelinePlan
-from fxpipe.passes.plan import stage_span
 from fxpipe.views import viz
 from fxpipe.views.report import (
     PATH_WIDTH,
@@ -105,7 +104,7 @@ def test_summary_of_every_zoo_model(name: str) -> None:
         cells = row.split()
         assert cells[0] == str(s.index) and cells[1] == str(s.device)
         assert cells[2] == str(len(s.nodes))
-        first, last = stage_span(plan, s)
+        first, last = s.span
         assert first[:10] in row and last[-10:] in row
         assert format_cost(s.cost, plan.costs.unit) in row
         assert row.endswith(format_bytes(boundary_out(plan, s.index)))
@@ -146,7 +145,7 @@ class _Deep(nn.Module):
 
 def test_long_module_paths_are_shortened_in_the_middle() -> None:
     plan = fxpipe.plan(_Deep(), torch.randn(4, 8), ["cpu", "cpu"], cost="params")
-    first, _ = stage_span(plan, plan.stages[0])
+    first, _ = plan.stages[0].span
     assert len(first) > PATH_WIDTH
     text = plan.summary()
     assert first not in text

@@ -10,10 +10,10 @@ import torch.fx as fx
 from models import ZOO
 from torch import nn
 
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.units import build_units
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.search import partition_graph
+from fxpipe.passes.partition.units import build_units
+from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.trace.shapes import is_shape_query, replicate_shape_queries
 from fxpipe.trace.tracing import trace
 

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import fxpipe
-from fxpipe.drop_in import device_map
 from fxpipe.errors import ConfigError, DeviceError
+from fxpipe.interop.trainers import device_map
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")

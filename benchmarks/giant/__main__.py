@@ -67,7 +67,7 @@ wall clock (processor seconds are recorded too: the machine may be shared), judg
 searches that find a split and for refusals. A refusal's time is the search's, up to the
 MemoryPlanError's diagnosis (the least-memory split and the remedies its message names:
 work beyond the search, whose time is printed beside it, timed apart by wrapping
-``fxpipe.passes.budgeted._no_fit_error`` in this process). Summary lines give the
+``fxpipe.passes.partition.budgeted._no_fit_error`` in this process). Summary lines give the
 smallest budget at which each tool's map fits (bisection to 0.1%, taking a map that fits
 to fit at every larger budget) and fxpipe's training floor (to 1%) over the inference
 floor. Results, with the machine, the

@@ -15,9 +15,9 @@ import numpy as np
 from benchmarks.giant.graph import Graph, coefficients, plan_of
 from benchmarks.giant.search import check_memory
 from benchmarks.giant.settings import STAGES
-from fxpipe.passes.memory import param_copies, whole_coef
 from fxpipe.passes.ops import COMPUTE_OPS, is_check, module_path
-from fxpipe.passes.partition import Partition, node_stages
+from fxpipe.passes.partition.memory import param_copies, whole_coef
+from fxpipe.passes.partition.search import Partition, node_stages
 
 
 @dataclass(frozen=True)

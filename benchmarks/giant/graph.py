@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,19 +15,31 @@ from torch import nn
 
 from benchmarks.giant.settings import BATCH, CHECKPOINT, CHUNKS, DEVICE_NAMES, STAGES, TOKENS
 from benchmarks.harness.models.giants import gpt2_xl, llama_7b
-from fxpipe.devices import normalize_devices
+from fxpipe.devices.targets import normalize_devices
 from fxpipe.ir import CostTable, PipelinePlan
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.memory import memory_terms, param_copies, whole_coef
-from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs, to_networkx
 from fxpipe.passes.ops import held_parameters
-from fxpipe.passes.partition import Partition
-from fxpipe.passes.plan import build_plan
-from fxpipe.passes.units import Units, build_units
+from fxpipe.passes.partition.cost_graph import batched_nodes, replicated_attrs, to_networkx
+from fxpipe.passes.partition.memory import memory_terms, param_copies, whole_coef
+from fxpipe.passes.partition.search import Partition
+from fxpipe.passes.partition.units import Units, build_units
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.split.plan import build_plan
 from fxpipe.trace.tracing import trace
 
-if TYPE_CHECKING:
-    from benchmarks.giant.search import Search
+
+@dataclass(frozen=True)
+class Search:
+    """One timed ``partition_graph`` call."""
+
+    budget: int
+    training: bool
+    fits: bool
+    seconds: float
+    #: Processor seconds of this process in that time (the machine may be shared).
+    cpu_s: float
+    #: Of which (wall), when nothing fits, the MemoryPlanError's diagnosis (the least-memory
+    #: split and the remedies its message names).
+    diagnosis_s: float
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ GIANTS: dict[str, Giant] = {
 
 
 class Estimate:
-    """fxpipe's stage memory (``passes/plan.py``'s ``stage_memory``: parameters held, bytes
+    """fxpipe's stage memory (``passes/split/plan.py``'s ``stage_memory``: parameters held, bytes
     kept, values received) for any node -> stage assignment, also one that is not a
     pipeline (an Accelerate map may send values back to an earlier device)."""
 

@@ -11,28 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.giant.graph import Graph, plan_of
+from benchmarks.giant.graph import Graph, Search, plan_of
 from benchmarks.giant.settings import CHECKPOINT, CHUNKS, STAGES, TOLERANCE
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import PipelinePlan
-from fxpipe.passes import budgeted
-from fxpipe.passes.memory import memory_model
-from fxpipe.passes.partition import partition_graph
-
-
-@dataclass(frozen=True)
-class Search:
-    """One timed ``partition_graph`` call."""
-
-    budget: int
-    training: bool
-    fits: bool
-    seconds: float
-    #: Processor seconds of this process in that time (the machine may be shared).
-    cpu_s: float
-    #: Of which (wall), when nothing fits, the MemoryPlanError's diagnosis (the least-memory
-    #: split and the remedies its message names).
-    diagnosis_s: float
+from fxpipe.passes.partition import budgeted
+from fxpipe.passes.partition.memory import memory_model
+from fxpipe.passes.partition.search import partition_graph
 
 
 @dataclass(frozen=True)

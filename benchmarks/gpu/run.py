@@ -107,7 +107,7 @@ def start_watchdog(run: Run, limit_s: float) -> None:
                 if rec.get("status") == "run":
                     rec["status"] = "stopped by the watchdog while running"
         try:
-            print_table(run)
+            print_table(run.dev, run.sections)
         finally:
             run.write()
             sys.stdout.flush()

@@ -15,7 +15,7 @@ from benchmarks.gpu.run import Run
 from benchmarks.gpu.settings import CHUNKS, MIB, MODES, STAGES, Sizes, make_model
 from benchmarks.gpu.table import fmt
 from benchmarks.harness.mlp import chunked_step, plain_step
-from fxpipe.passes.plan import PARAM_COPIES
+from fxpipe.passes.split.plan import PARAM_COPIES
 
 
 def pipeline_on(

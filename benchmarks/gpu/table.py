@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from benchmarks.gpu.device import device_name
 from benchmarks.gpu.settings import CHUNKS, STAGES
 
-if TYPE_CHECKING:
-    from benchmarks.gpu.run import Run
 
-
-def print_table(run: Run) -> None:
+def print_table(device: Any, sections: dict[str, dict[str, Any]]) -> None:
+    """The run's sections as a table, under a line naming ``device``."""
     print()
-    print(f"fxpipe on {device_name(run.dev)}; torch {torch.__version__}; K={STAGES}, M={CHUNKS}")
+    print(f"fxpipe on {device_name(device)}; torch {torch.__version__}; K={STAGES}, M={CHUNKS}")
     head = f"{'measurement':<30} {'measured':>12} {'ratio':>7}  {'ratio to':<12} {'predicted':<22}"
     print(head)
     print("-" * len(head))
-    for name, rec in run.sections.items():
+    for name, rec in sections.items():
         if rec.get("status") != "ok":
             print(f"{name:<30} {rec.get('status', '?')}")
             continue

@@ -5,11 +5,11 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
-from fxpipe.passes.dp import min_max_split
-from fxpipe.passes.ideals import ideal_split, ideal_stages
-from fxpipe.passes.nx_graph import readers
-from fxpipe.passes.partition import Partition, node_stages
-from fxpipe.passes.units import Units
+from fxpipe.passes.partition.chain_dp import min_max_split
+from fxpipe.passes.partition.cost_graph import readers
+from fxpipe.passes.partition.ideals import ideal_split, ideal_stages
+from fxpipe.passes.partition.search import Partition, node_stages
+from fxpipe.passes.partition.units import Units
 
 __all__ = ["first_cut", "stage_costs", "traffic", "min_max_only", "is_valid"]
 

@@ -14,12 +14,12 @@ from torch import nn
 from benchmarks.harness.models.zoo import benchmark_models
 from benchmarks.harness.splits import first_cut, is_valid, min_max_only, stage_costs, traffic
 from fxpipe.errors import PlanError
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.dp import min_max_split
-from fxpipe.passes.ideals import enumerate_ideals, ideal_split
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import Partition, partition_graph
-from fxpipe.passes.units import Units, build_units
+from fxpipe.passes.partition.chain_dp import min_max_split
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.ideals import enumerate_ideals, ideal_split
+from fxpipe.passes.partition.search import Partition, partition_graph
+from fxpipe.passes.partition.units import Units, build_units
+from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.trace.tracing import trace
 
 STAGES = (2, 4, 8)

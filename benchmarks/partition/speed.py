@@ -13,7 +13,7 @@ import networkx as nx
 import numpy as np
 
 from benchmarks.harness.splits import is_valid
-from fxpipe.passes.partition import Partition, partition_graph
+from fxpipe.passes.partition.search import Partition, partition_graph
 
 PLAN_SIZES = (5_000, 50_000)
 PLAN_STAGES = (4, 8, 16)

@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.utils._pytree import tree_map
 
 from fxpipe.api import Compiled, compile_model
-from fxpipe.devices import parse_device
+from fxpipe.devices.targets import parse_device
 from fxpipe.distributed.mesh import SPLIT_BACKWARD, check_sharding, mesh_layout
 from fxpipe.distributed.runner import DistributedPipeline
 from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors

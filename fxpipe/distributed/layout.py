@@ -59,7 +59,7 @@ out. FSDP leaves a weight two stages of one rank read (a tied embedding and head
 first rank) whole on each replica (on a torch whose ``fully_shard`` cannot, such layouts
 are left out too).
 
-Memory per rank, in training: :func:`fxpipe.passes.plan.stage_memory` of each of its
+Memory per rank, in training: :func:`fxpipe.passes.split.plan.stage_memory` of each of its
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
 stage keeps for backward), its activations scaled to the micro-batches in flight at the
 rank's peak, plus one more copy of the gradients when ``dp > 1`` (DDP's buckets: torch's
@@ -94,8 +94,8 @@ import torch
 from torch import nn
 
 from fxpipe.api import traced_example
-from fxpipe.budgets import parse_amount
-from fxpipe.devices import parse_device
+from fxpipe.devices.budgets import parse_amount
+from fxpipe.devices.targets import parse_device
 from fxpipe.distributed.build import V_SHAPED, stage_ranks
 from fxpipe.distributed.mesh import (
     DATA_PARALLEL,
@@ -114,11 +114,15 @@ from fxpipe.ir import (
 )
 from fxpipe.model_state import preserved
 from fxpipe.options import check_choice, check_slack
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.memory import param_copies
-from fxpipe.passes.nx_graph import replicate_shared_weights, replicated_attrs, to_networkx
-from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.plan import build_plan, stage_memory, stage_parameters
+from fxpipe.passes.partition.cost_graph import (
+    replicate_shared_weights,
+    replicated_attrs,
+    to_networkx,
+)
+from fxpipe.passes.partition.memory import param_copies
+from fxpipe.passes.partition.search import partition_graph
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.split.plan import build_plan, stage_memory, stage_parameters
 from fxpipe.trace.tracing import Traced, fake_runnable
 
 __all__ = [

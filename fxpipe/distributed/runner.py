@@ -32,6 +32,7 @@ from fxpipe.distributed.strides import Strides, give_back, hand_out, received, s
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import CheckpointError, ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
+from fxpipe.runtime.variants import modes_of
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
 
@@ -72,6 +73,7 @@ class DistributedPipeline:
         layouts: tuple[tuple[Strides, ...], ...] | None = None,
     ) -> None:
         self.plan, self.group, self.device = plan, group, device
+        self._modes = modes_of(model)  # the training modes it was traced in
         self.layout = layout or Layout(group)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_stages = plan.num_stages
@@ -149,6 +151,7 @@ class DistributedPipeline:
         sends every rank of the pipeline (one broadcast), and, where they differ from the
         last step's, this rank's stages' buffers re-made for them (errors about the sizes
         are raised alike on every rank of the pipeline)."""
+        self._check_modes()
         for stage in self.stages:
             stage.check_step()
         shapes = self._step_shapes
@@ -166,6 +169,29 @@ class DistributedPipeline:
             j = stage.stage_index
             stage.resize(*_taken(metas[j], stage.taken), found.layouts[j])
         self._layouts, shapes.key = found.layouts, key
+
+    def _check_modes(self) -> None:
+        """ConfigError where the model's modules are not in the training modes they were
+        traced in: the stages run the graph traced then (torch.export fixes dropout,
+        BatchNorm statistics and every ``self.training`` branch; torch.fx the branches), so
+        a step in another mode would silently run the traced one."""
+        now = modes_of(self._model)
+        if now == self._modes:
+            return
+        changed = [
+            name or type(self._model).__name__
+            for (name, module), was in zip(self._model.named_modules(), self._modes, strict=True)
+            if module.training != was
+        ]
+        traced = "training" if self._modes[0] else "eval"
+        raise ConfigError(
+            f"the model was traced in {traced} mode, and {len(changed)} of its modules "
+            f"({', '.join(map(repr, changed[:3]))}{', ...' if len(changed) > 3 else ''}) are "
+            "in another mode now; this rank's stages run the graph traced then, which would "
+            "not follow (torch.export fixes dropout, BatchNorm statistics and self.training "
+            "branches): put the model back in that mode, or build another pipeline_schedule "
+            "with the model in this one (model.eval() first, for evaluation)"
+        )
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's own Parameters (each once, tied ones included), for its optimizer."""

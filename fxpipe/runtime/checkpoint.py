@@ -31,7 +31,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from fxpipe.model_state import preserved
 from fxpipe.runtime.dependency import fork, join
 from fxpipe.runtime.phony import get_phony
-from fxpipe.runtime.recording import SpanFactory, no_span
+from fxpipe.runtime.spans import SpanFactory, no_span
 from fxpipe.runtime.stream import normalize_device, use_device
 from fxpipe.runtime.worker import ThreadState, capture_thread_state
 

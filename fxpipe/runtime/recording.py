@@ -27,7 +27,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.phony import get_phony
+from fxpipe.runtime.spans import SpanFactory, no_span
 from fxpipe.runtime.stream import AbstractStream, is_cuda
 
 if TYPE_CHECKING:
@@ -54,17 +55,6 @@ __all__ = [
 
 #: The phases a span can have, in the order a cell goes through them.
 PHASES = ("forward", "copy", "recompute", "backward")
-
-#: ``span(phase)``: a context manager that times the block as ``phase`` of one cell.
-SpanFactory = Callable[[str], AbstractContextManager[None]]
-
-#: The one context manager :func:`no_span` hands out (``nullcontext`` can be re-entered).
-_NO_SPAN: AbstractContextManager[None] = nullcontext()
-
-
-def no_span(phase: str) -> AbstractContextManager[None]:
-    """The :data:`SpanFactory` that times nothing: the same do-nothing context every call."""
-    return _NO_SPAN
 
 
 class RunRecorder(Protocol):

@@ -21,10 +21,10 @@ from torch.utils._pytree import (
 )
 
 from fxpipe.errors import InputError, PlanError
-from fxpipe.passes.batch_roles import batch_roles
+from fxpipe.passes.batch.reductions import split_reductions
+from fxpipe.passes.batch.roles import batch_roles
 from fxpipe.passes.ops import op_name
-from fxpipe.passes.recorded import recorded_outputs
-from fxpipe.passes.reductions import split_reductions
+from fxpipe.passes.price.recorded import recorded_outputs
 from fxpipe.passes.shape_only import same_shape_output
 from fxpipe.trace.binding import argument_name, describe_value
 from fxpipe.trace.tracing import Traced
@@ -99,7 +99,7 @@ def output_names(spec: TreeSpec) -> list[str]:
 
 def with_reductions(traced: Traced, batch: int) -> Traced:
     """``traced`` with the outputs that reduce over the batch (a loss inside the model)
-    computed from per-micro-batch partial sums (:mod:`fxpipe.passes.reductions`); as it is
+    computed from per-micro-batch partial sums (:mod:`fxpipe.passes.batch.reductions`); as it is
     where every output is per-sample, or where the graph's values at another batch size
     cannot be told (the output check that follows reports what it can)."""
     roles = batch_roles(traced.graph_module, traced.example_values, batch)

@@ -1,7 +1,8 @@
 """Gives every reader of a shape query its own copy, so that shared sizes glue no stages.
 
 Sizes are not tensors, so no stage border may fall between a size and the node that reads
-it (:mod:`fxpipe.passes.units` merges them). ``torch.export`` computes the batch size once,
+it (:mod:`fxpipe.passes.partition.units` merges them). ``torch.export`` computes the batch
+size once,
 ``sym_size(input_ids, 0)``, and every layer's ``view`` reads that one node: merged, the
 whole network would become one indivisible unit. Shape queries are pure and cheap, so
 each reader gets a private copy of the chain that computes its size (the query and any

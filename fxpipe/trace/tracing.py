@@ -34,7 +34,7 @@ from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, tree_flatten, tree_ma
 from fxpipe.errors import TraceError
 from fxpipe.ir import Finalize, TracerName
 from fxpipe.model_state import preserved
-from fxpipe.passes.cost_model import output_sizes
+from fxpipe.passes.price.estimate import output_sizes
 from fxpipe.trace.aliasing import mark_aliasing
 from fxpipe.trace.autograd_functions import (
     FunctionCall,
@@ -64,7 +64,7 @@ class Traced:
     #: The example's value for each placeholder, in order.
     example_values: tuple[Any, ...]
     #: Where the model reduces over its batch (a loss inside it): what joins the graph's
-    #: outputs into the model's (:mod:`fxpipe.passes.reductions`); None: the graph's
+    #: outputs into the model's (:mod:`fxpipe.passes.batch.reductions`); None: the graph's
     #: outputs are the model's flat output leaves, each batch-first.
     finalize: Finalize | None = None
 

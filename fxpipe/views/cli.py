@@ -238,7 +238,7 @@ def _write(outputs: dict[str, Path], args: argparse.Namespace, plan: Any, timeli
 def _progress(label: str, stream: TextIO) -> Iterator[None]:
     """On a terminal, keep one status line on ``stream`` while the block runs: the planning
     phase, a bar of the nodes priced, the seconds so far (from the records of the ``fxpipe``
-    logger, :mod:`fxpipe.progress`); elsewhere print nothing."""
+    logger, :mod:`fxpipe.views.progress`); elsewhere print nothing."""
     if not stream.isatty():
         yield
         return

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fxpipe.errors import FxPipeError
-from fxpipe.passes.plan import stage_span
 from fxpipe.views.report import boundary_in, boundary_out, format_bytes, format_cost
 
 if TYPE_CHECKING:
@@ -107,7 +106,7 @@ _STAGE_LEFT = {1, 3, 4}
 
 
 def _stage_cells(plan: PipelinePlan, s: StagePlan) -> list[str]:
-    first, last = stage_span(plan, s)
+    first, last = s.span
     return [
         str(s.index),
         str(s.device),

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxpipe.errors import ConfigError
-from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
 from fxpipe.passes.ops import module_path
-from fxpipe.passes.plan import stage_span
+from fxpipe.passes.partition.cost_graph import batched_nodes, replicated_attrs
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -104,7 +103,7 @@ _LEFT = {"device", "first module", "last module"}
 
 
 def _stage_row(plan: PipelinePlan, s: StagePlan, capacity: int | None) -> list[str]:
-    first, last = stage_span(plan, s)
+    first, last = s.span
     return [
         str(s.index),
         str(s.device),
@@ -177,7 +176,7 @@ def _title(plan: PipelinePlan) -> str:
     }.get(costs.mode, "a user cost function")
     batch, how = f"{costs.batch_size} samples", ""
     if costs.mode == "roofline":  # the default: seconds a reference device would take
-        from fxpipe.passes.roofline import roofline_for
+        from fxpipe.passes.price.roofline import roofline_for
 
         what, batch = "forward + backward time", f"{batch} in {plan.chunks} micro-batches"
         how = f" on {roofline_for(plan.devices[0].type).reference}, estimated by a roofline"
@@ -304,7 +303,7 @@ _GRAPH_STYLE = [
 
 
 def _stage_label(plan: PipelinePlan, s: StagePlan) -> str:
-    first, last = (_shorten(p, 40) for p in stage_span(plan, s))
+    first, last = (_shorten(p, 40) for p in s.span)
     span = first if first == last else f"{first}\n.. {last}"
     return (
         f"stage {s.index} ({s.device})\n{span}\n"

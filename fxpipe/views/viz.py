@@ -9,10 +9,9 @@ import subprocess
 from collections.abc import Sequence
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fxpipe.errors import ConfigError, FxPipeError
-from fxpipe.passes.plan import stage_span
 from fxpipe.views.report import format_bytes, format_cost, plan_to_dot
 
 if TYPE_CHECKING:
@@ -20,7 +19,6 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from fxpipe.ir import PipelinePlan
-    from fxpipe.views.timeline import Timeline
 
 __all__ = [
     "MissingDependencyError",
@@ -152,7 +150,7 @@ def _cost_scale(unit: str, largest: float) -> tuple[float, str]:
 def _stage_labels(plan: PipelinePlan) -> list[str]:
     labels = []
     for s in plan.stages:
-        first, last = stage_span(plan, s)
+        first, last = s.span
         tail = last if len(last) <= 18 else "..." + last[-15:]
         speed = f" ({plan.speeds[s.index]:g}x)" if plan.speeds else ""
         labels.append(f"stage {s.index}\n{s.device}{speed}\nto {tail}")
@@ -261,6 +259,22 @@ def _byte_formatter() -> Any:
 
 
 # ------------------------------------------------------------------------------ Gantt chart
+
+
+class Timeline(Protocol):
+    """What the chart reads of a recorded run (:class:`fxpipe.Timeline`, which calls it)."""
+
+    devices: tuple[str, ...]
+    chunks: int
+    checkpoint: str
+
+    @property
+    def tasks(self) -> Sequence[Any]: ...
+
+    @property
+    def makespan(self) -> float: ...
+
+    def headline(self) -> str: ...
 
 
 def timeline_figure(timeline: Timeline, title: str | None = None) -> Figure:

@@ -20,24 +20,24 @@ from models import ZOO
 from torch import nn
 
 import fxpipe
-from fxpipe.budgets import parse_amount, parse_max_memory, parse_speed
+from fxpipe.devices.budgets import parse_amount, parse_max_memory, parse_speed
 from fxpipe.errors import ConfigError, MemoryEstimateWarning, MemoryPlanError
 from fxpipe.options import PlanOptions
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.dp import min_bytes_split, min_max_split
-from fxpipe.passes.fit import order_split
-from fxpipe.passes.ideals import enumerate_ideals, ideal_stages
-from fxpipe.passes.memory import MemoryModel, memory_model
-from fxpipe.passes.memory_tables import unit_memory
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.order_search import candidate_orders
-from fxpipe.passes.partition import (
+from fxpipe.passes.partition.chain_dp import min_bytes_split, min_max_split
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.fit import order_split
+from fxpipe.passes.partition.ideals import enumerate_ideals, ideal_stages
+from fxpipe.passes.partition.memory import MemoryModel, memory_model
+from fxpipe.passes.partition.memory_tables import unit_memory
+from fxpipe.passes.partition.orders import candidate_orders
+from fxpipe.passes.partition.search import (
     Partition,
     _values,
     partition_graph,
 )
-from fxpipe.passes.plan import build_plan
-from fxpipe.passes.units import build_units
+from fxpipe.passes.partition.units import build_units
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.split.plan import build_plan
 from fxpipe.trace.tracing import trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,7 @@ from torch import nn
 
 from fxpipe.errors import FxPipeError
 from fxpipe.ir import CostTable, NodeCost
-from fxpipe.passes.cost_model import estimate_costs
+from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())

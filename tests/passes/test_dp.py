@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import stage_costs
 
-from fxpipe.passes.dp import min_bytes_split, min_max_split
+from fxpipe.passes.partition.chain_dp import min_bytes_split, min_max_split
 
 INF = float("inf")
 

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.follow import follow_borders
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.plan import build_plan
-from fxpipe.passes.units import build_units
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.search import partition_graph
+from fxpipe.passes.partition.units import build_units
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.split.follow import follow_borders
+from fxpipe.passes.split.plan import build_plan
 from fxpipe.trace.tracing import trace
 
 CPU = torch.device("cpu")

@@ -14,10 +14,10 @@ from models import ZOO, Case
 from torch import nn
 
 from fxpipe.ir import CostTable
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.nx_graph import readers, replicated_attrs, to_networkx
-from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.units import build_units
+from fxpipe.passes.partition.cost_graph import readers, replicated_attrs, to_networkx
+from fxpipe.passes.partition.search import partition_graph
+from fxpipe.passes.partition.units import build_units
+from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())

@@ -25,17 +25,17 @@ from dags import (
 from models import ZOO, Case
 
 from fxpipe.errors import FxPipeError, PlanError
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.dp import min_max_split
-from fxpipe.passes.ideals import enumerate_ideals
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.order_search import candidate_orders
-from fxpipe.passes.partition import (
+from fxpipe.passes.partition.chain_dp import min_max_split
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.ideals import enumerate_ideals
+from fxpipe.passes.partition.orders import candidate_orders
+from fxpipe.passes.partition.search import (
     EXACT_LIMIT,
     node_stages,
     partition_graph,
 )
-from fxpipe.passes.units import build_units
+from fxpipe.passes.partition.units import build_units
+from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.trace.tracing import trace
 
 ALL = list(ZOO.values())

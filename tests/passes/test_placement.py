@@ -1,4 +1,4 @@
-"""Device constants in traced graphs follow the stage's device (passes/placement.py)."""
+"""Device constants in traced graphs follow the stage's device (passes/split/placement.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from fxpipe.api import compile_model
 from fxpipe.options import PlanOptions
-from fxpipe.passes.placement import place_graph
+from fxpipe.passes.split.placement import place_graph
 
 META = torch.device("meta")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import fxpipe
 import fxpipe.api
-from fxpipe.devices import device_capacity
+from fxpipe.devices.targets import device_capacity
 from fxpipe.errors import MemoryPlanError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

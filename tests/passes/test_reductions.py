@@ -16,8 +16,8 @@ from oracle import relative_error
 from torch import nn
 
 import fxpipe
-from fxpipe.passes.batch_roles import batch_roles
-from fxpipe.passes.reductions import split_reductions
+from fxpipe.passes.batch.reductions import split_reductions
+from fxpipe.passes.batch.roles import batch_roles
 from fxpipe.trace.example_checks import output_names
 from fxpipe.trace.tracing import trace
 

@@ -14,11 +14,11 @@ from torch import nn
 
 import fxpipe
 from fxpipe.ir import CostTable
-from fxpipe.passes import cost_model
-from fxpipe.passes.cost_model import estimate_costs
 from fxpipe.passes.ops import is_check
-from fxpipe.passes.recorded import recorded_outputs, recorded_shapes
-from fxpipe.passes.roofline import ROOFLINES, Roofline, Work
+from fxpipe.passes.price import estimate as cost_model
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.price.recorded import recorded_outputs, recorded_shapes
+from fxpipe.passes.price.roofline import ROOFLINES, Roofline, Work
 from fxpipe.passes.shape_only import same_shape_output
 from fxpipe.trace.example_checks import _FakeRun
 from fxpipe.trace.tracing import Traced, trace

@@ -12,11 +12,11 @@ from models import ZOO, Case
 from torch import nn
 
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
-from fxpipe.passes.cost_model import estimate_costs
-from fxpipe.passes.nx_graph import to_networkx
-from fxpipe.passes.partition import partition_graph
-from fxpipe.passes.plan import build_plan
-from fxpipe.passes.split_stages import run_stages, split_stages
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.search import partition_graph
+from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.split.codegen import run_stages, split_stages
+from fxpipe.passes.split.plan import build_plan
 from fxpipe.trace.tracing import Traced, trace
 
 ALL = list(ZOO.values())

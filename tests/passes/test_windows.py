@@ -11,11 +11,11 @@ import pytest
 from dags import bottleneck, check_valid, random_dag
 from helpers import coarsen, sweep
 
-from fxpipe.passes.dp import min_max_split
-from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
-from fxpipe.passes.partition import EXACT_LIMIT, partition_graph
-from fxpipe.passes.units import Units, build_units
-from fxpipe.passes.windows import coarsen_near_borders, coarsen_values
+from fxpipe.passes.partition.chain_dp import min_max_split
+from fxpipe.passes.partition.ideals import enumerate_ideals, ideal_split, ideal_stages
+from fxpipe.passes.partition.search import EXACT_LIMIT, partition_graph
+from fxpipe.passes.partition.units import Units, build_units
+from fxpipe.passes.partition.windows import coarsen_near_borders, coarsen_values
 
 CASES = [(seed, 6 + seed % 20, (2, 3, 4, 6)[seed % 4]) for seed in range(40)]
 
@@ -110,7 +110,7 @@ def test_windows_again_around_the_new_borders_only_improve(
 ) -> None:
     """Windows re-placed around the borders the last windows found: never worse than one
     round of windows, and better on some random graphs."""
-    import fxpipe.passes.order_search as order_search
+    import fxpipe.passes.partition.orders as order_search
 
     rounds: dict[int, list[float]] = {1: [], order_search.WINDOW_ROUNDS: []}
     for seed in range(40):
@@ -130,7 +130,7 @@ def test_windows_again_around_the_new_borders_only_improve(
 def test_values_mapped_onto_coarse_units_equal_values_read_from_the_graph(seed: int) -> None:
     """The order path maps the values it found on the fine units onto the windows' coarse
     units instead of walking the graph again; both must give the same values."""
-    import fxpipe.passes.partition as partition
+    import fxpipe.passes.partition.search as partition
 
     def key(values: list) -> list:
         return sorted((v.bytes, v.producer, v.readers, v.to_output) for v in values)

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from fxpipe.errors import CheckpointError, ConfigError
-from fxpipe.materialise import shown
 from fxpipe.pipeline import Pipeline
+from fxpipe.weights.materialise import shown
 
 __all__ = ["load_checkpoint"]
 
@@ -76,7 +76,7 @@ def load_checkpoint(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
     _check_fit(Path(path), shards, targets, pipe)
     for shard in shards:
         _copy(shard, targets)
-    pipe._materialised.loaded(key for shard in shards for key in shard.shapes)
+    pipe.materialised.loaded(key for shard in shards for key in shard.shapes)
 
 
 def _copy(shard: _Shard, targets: Mapping[str, torch.Tensor]) -> None:
@@ -267,7 +267,7 @@ def _targets(pipe: Pipeline) -> dict[str, torch.Tensor]:
     and the non-persistent buffers made from ``meta``."""
     model = pipe.module
     targets: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-    for key in pipe._materialised.extra_keys:
+    for key in pipe.materialised.extra_keys:
         targets[key] = model.get_buffer(key)
     return targets
 

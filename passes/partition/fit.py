@@ -3,12 +3,12 @@ split of one order under both.
 
 :class:`StageFit` holds, for stage position j, ``speeds[j]`` (a stage's time is its units'
 cost divided by it) and ``limits[j]`` (the bytes its training memory, priced by
-:class:`fxpipe.passes.memory_tables.UnitMemory`, may reach). Without limits the fast solvers of
-:mod:`fxpipe.passes.dp` take the speeds. With limits, :func:`order_split` is exact for one
-order in O(K N^2): memory is not monotone in a segment's start (a longer segment may hold
-the producer of a value it would otherwise receive), so every start is priced, the memory
-of all starts being updated as each item joins the segment's end
-(:class:`fxpipe.passes.memory_tables.OrderMemory`).
+``memory_tables.UnitMemory``, may reach; modules named here are this package's). Without
+limits the fast solvers of ``chain_dp`` take the speeds. With limits, :func:`order_split`
+is exact for one order in O(K N^2): memory is not monotone in a segment's start (a longer
+segment may hold the producer of a value it would otherwise receive), so every start is
+priced, the memory of all starts being updated as each item joins the segment's end
+(``memory_tables.OrderMemory``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Literal
 
 import numpy as np
 
-from fxpipe.passes.memory import Entering
-from fxpipe.passes.memory_tables import OrderMemory, UnitMemory
+from fxpipe.passes.partition.memory import Entering
+from fxpipe.passes.partition.memory_tables import OrderMemory, UnitMemory
 
 __all__ = ["StageFit", "order_split", "Objective"]
 

@@ -4,9 +4,9 @@ Modes:
 
 - ``"roofline"`` (what ``cost="auto"`` uses): forward + backward seconds on a reference
   device of the stages' kind, from each node's FLOPs and bytes
-  (:mod:`fxpipe.passes.roofline`); analytic and deterministic, nothing runs on a device.
+  (:mod:`fxpipe.passes.price.roofline`); analytic and deterministic, nothing runs on a device.
   A graph from ``torch.export`` is priced from the shapes export recorded on its nodes
-  (:mod:`fxpipe.passes.recorded`); any other runs once on fake tensors.
+  (:mod:`fxpipe.passes.price.recorded`); any other runs once on fake tensors.
 - ``"time"``: each node runs forward and backward on the profiling device (one warm-up,
   median of ``repeats``); cost in seconds. Only the inputs that require grad in training
   get a gradient. A module whose weights live elsewhere runs as a copy on that device,
@@ -54,12 +54,12 @@ from fxpipe.errors import ConfigError, StageError
 from fxpipe.ir import CostTable, NodeCost, PricingMode
 from fxpipe.model_state import preserved
 from fxpipe.passes.ops import VIEW_OPS, is_check, op_name, state_change, stateful_regions
-from fxpipe.passes.placement import retarget
-from fxpipe.passes.recorded import price_recorded, recorded_shapes, recorded_sizes
-from fxpipe.passes.roofline import HEAVY_ELEMENTWISE, Roofline, roofline_for
-from fxpipe.passes.roofline_facts import Facts, attention_flops, attribute, describe, tensors
+from fxpipe.passes.price.op_work import Facts, attention_flops, attribute, describe, tensors
+from fxpipe.passes.price.recorded import price_recorded, recorded_shapes, recorded_sizes
+from fxpipe.passes.price.roofline import HEAVY_ELEMENTWISE, Roofline, roofline_for
+from fxpipe.passes.price.timing import step_seconds, sync, zeros_like
 from fxpipe.passes.shape_only import same_shape_output
-from fxpipe.passes.timing import step_seconds, sync, zeros_like
+from fxpipe.passes.split.placement import retarget
 
 __all__ = ["estimate_costs", "output_sizes", "DEFAULT_INTENSITY", "Progress"]
 

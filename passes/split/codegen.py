@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxpipe.ir import PipelinePlan, StageProgram, Traffic, ValueRef
-from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
-from fxpipe.passes.placement import place_graph
+from fxpipe.passes.partition.cost_graph import batched_nodes, replicated_attrs
+from fxpipe.passes.split.placement import place_graph
 
 __all__ = ["split_stages", "run_stages"]
 

@@ -1,7 +1,7 @@
 """The memory tables the searches read: per split, per ideal pair, per segment of an order.
 
-They count :mod:`fxpipe.passes.memory`'s estimate, term for term; that module says what the
-terms, the spread items and the received values are.
+They count :mod:`fxpipe.passes.partition.memory`'s estimate, term for term; that module says
+what the terms, the spread items and the received values are.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from fxpipe.passes.memory import (
+from fxpipe.passes.partition.memory import (
     FIRST_READER,
     FIRST_STAGE,
     LAST_STAGE,
@@ -157,7 +157,7 @@ class UnitMemory:
 
     def on_ideals(self, ideals: np.ndarray) -> IdealMemory:
         """The memory of every stage ``I - J`` of the ideals (rows ordered by size, as
-        :func:`fxpipe.passes.ideals.enumerate_ideals` returns them)."""
+        :func:`fxpipe.passes.partition.ideals.enumerate_ideals` returns them)."""
         saved_coef, input_coef = self.coefficients()
         key = (id(ideals), tuple(saved_coef), tuple(input_coef), self.copies)
         cached = self._tables.get(key)

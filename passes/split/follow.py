@@ -12,10 +12,10 @@ stages' devices, so the new graph cannot be partitioned afresh; it *follows* the
   op in the same module, counted in order within that module (so a dropout that the other
   mode leaves out does not shift what follows), else to the stage of its inputs;
 - then every node moves, where it must, to the latest stage of its inputs, so values only
-  flow forward; groups no border may split (:mod:`fxpipe.passes.units`) move whole.
+  flow forward; groups no border may split (:mod:`fxpipe.passes.partition.units`) move whole.
 
-The result is a stage for every node, which :func:`fxpipe.passes.plan.build_plan` and
-:func:`fxpipe.passes.split_stages.split_stages` turn into a program as for any plan.
+The result is a stage for every node, which :func:`fxpipe.passes.split.plan.build_plan` and
+:func:`fxpipe.passes.split.codegen.split_stages` turn into a program as for any plan.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from fxpipe.ir import PipelinePlan
 from fxpipe.passes.ops import module_path, op_name
-from fxpipe.passes.partition import node_stages
-from fxpipe.passes.units import build_units
+from fxpipe.passes.partition.search import node_stages
+from fxpipe.passes.partition.units import build_units
 
 __all__ = ["follow_borders"]
 

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.ir import NodeCost
 from fxpipe.passes.ops import VIEW_OPS, mutated_input, op_name
-from fxpipe.passes.roofline import Operand, Work, attribute_work, node_work
+from fxpipe.passes.price.roofline import Operand, Work, attribute_work, node_work
 
 __all__ = [
     "Facts",

@@ -22,8 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from fxpipe.ir import CostTable, NodeCost
 from fxpipe.passes.ops import op_name
-from fxpipe.passes.roofline import Roofline
-from fxpipe.passes.roofline_facts import Facts, aliases, attribute, node_cost, tensors
+from fxpipe.passes.price.op_work import Facts, aliases, attribute, node_cost, tensors
+from fxpipe.passes.price.roofline import Roofline
 
 __all__ = [
     "recorded_shapes",

@@ -1,6 +1,6 @@
 """The memory model: what a stage holds, the budgets it must fit, and the values it receives.
 
-The estimate is :func:`fxpipe.passes.plan.stage_memory`'s, term for term, so that a split the
+The estimate is :func:`fxpipe.passes.split.plan.stage_memory`'s, term for term, so that a split the
 search accepts is one the plan accepts:
 
 - ``param_copies(training)`` x the bytes of the parameters the stage holds (a tensor that
@@ -18,7 +18,7 @@ every stage that holds the first of one of its holders. A received value is in e
 that reads it but does not make it (a model input is made in the first stage).
 
 The tables a search reads this memory from (per split, per ideal pair, per segment of
-an order) are :mod:`fxpipe.passes.memory_tables`.
+an order) are :mod:`fxpipe.passes.partition.memory_tables`.
 """
 
 from __future__ import annotations

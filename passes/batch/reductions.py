@@ -9,7 +9,7 @@ weight of the targets it counts, and a size of the batch adds up over micro-batc
 
 :func:`split_reductions` cuts the graph there. The reductions that feed the model's
 outputs (the *frontier*: a node that reads per-sample values and returns a value that does
-not grow with the batch, :mod:`fxpipe.passes.batch_roles`) are rewritten into their partial
+not grow with the batch, :mod:`fxpipe.passes.batch.roles`) are rewritten into their partial
 form and stay in the graph the stages run; their partial sums become extra outputs, joined
 by summing. What the model computes after them (the division by the count, a weighted sum
 of two losses, the division by a ``num_items_in_batch`` input) moves into a small graph,
@@ -38,9 +38,9 @@ from torch.nn import _reduction as legacy
 
 from fxpipe.errors import PlanError
 from fxpipe.ir import Finalize, Join
-from fxpipe.passes.batch_roles import SHAPE_ONLY_OPS, BatchRoles
+from fxpipe.passes.batch.roles import SHAPE_ONLY_OPS, BatchRoles
 from fxpipe.passes.ops import op_name
-from fxpipe.passes.placement import retarget
+from fxpipe.passes.split.placement import retarget
 
 __all__ = ["split_reductions", "check_no_batch_mixing", "class_count", "element_count"]
 

@@ -8,7 +8,7 @@ values of the non-tensor ones. So a pipeline keeps one :class:`Variant` per (the
 flag of every module of the model, the call's structure), and picks the one that fits each
 call. A call that none fits gets a new one: the model is traced again as it is now, for that
 call, and the trace is split along the first variant's borders
-(:mod:`fxpipe.passes.follow`), so every Parameter stays on the device it already lives on.
+(:mod:`fxpipe.passes.split.follow`), so every Parameter stays on the device it already lives on.
 Where the new graph is the same as one already made (an fx graph whose dropout is a module,
 which follows ``eval()`` by itself), that variant's stages are reused.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.devices import same_device
+from fxpipe.devices.targets import same_device
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.runtime.executor import Executor

@@ -1,6 +1,6 @@
 """How fast each stage's device is, relative to the first stage's: measured per kind of device.
 
-``speed=`` declares it (:mod:`fxpipe.budgets` parses it). Otherwise, when the stages span
+``speed=`` declares it (:mod:`fxpipe.devices.budgets` parses it). Otherwise, when the stages span
 more than one kind of device (two GPU models, or a GPU and the CPU) and the cost mode
 prices a device (``"time"`` profiles on it, ``"roofline"`` prices its roofline), the model
 is priced once per kind and each device's speed is the first stage's kind's total over its

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
-from fxpipe.passes.nx_graph import COMPUTE_OPS
+from fxpipe.passes.partition.cost_graph import COMPUTE_OPS
 
 __all__ = ["Units", "build_units"]
 
@@ -43,7 +43,8 @@ class Units:
 
 
 def build_units(g: nx.DiGraph) -> Units:
-    """Group the compute nodes of ``g`` (from :func:`fxpipe.passes.nx_graph.to_networkx`)."""
+    """Group the compute nodes of ``g`` (from
+    :func:`fxpipe.passes.partition.cost_graph.to_networkx`)."""
     index = nx.get_node_attributes(g, "index")
     compute = sorted((n for n, op in g.nodes(data="op") if op in COMPUTE_OPS), key=index.get)
     parent = {n: n for n in compute}

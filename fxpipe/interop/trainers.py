@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.devices import same_device
+from fxpipe.devices.targets import same_device
 from fxpipe.errors import ConfigError, DeviceError
 from fxpipe.ir import CheckpointMode
 

@@ -17,7 +17,7 @@ two runs on fake tensors):
 Inside a ``torch.vmap`` region the values are one sample's: there a node is batched when it
 reads anything that is not static.
 
-The roles are what :mod:`fxpipe.passes.reductions` needs to compute a reduction inside the
+The roles are what :mod:`fxpipe.passes.batch.reductions` needs to compute a reduction inside the
 model exactly over micro-batches, and to refuse a graph that mixes a reduction over the
 batch back into per-sample values.
 """
@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.passes.ops import op_name, stateful_regions
-from fxpipe.passes.recorded import recorded_at
+from fxpipe.passes.price.recorded import recorded_at
 from fxpipe.passes.shape_only import same_shape_output
 
 __all__ = ["Role", "BatchRoles", "batch_roles", "SHAPE_ONLY_OPS"]

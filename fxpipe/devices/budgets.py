@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from fxpipe.devices import same_device
+from fxpipe.devices.targets import same_device
 from fxpipe.errors import ConfigError
 
 __all__ = [

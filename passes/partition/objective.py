@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from fxpipe.ir import Traffic
-from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering
+from fxpipe.passes.partition.memory import FIRST_READER, MODEL_INPUT, Entering
 
 __all__ = ["Pick", "sent_bytes", "bottleneck_of"]
 

@@ -11,6 +11,7 @@ Training memory of a stage (GPipe, activations re-materialised when checkpointin
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+from dataclasses import replace
 
 import networkx as nx
 import torch
@@ -18,22 +19,21 @@ import torch.fx as fx
 
 from fxpipe.errors import MemoryPlanError
 from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
-from fxpipe.passes.memory import (
+from fxpipe.passes.ops import held_parameters, module_path
+from fxpipe.passes.partition.cost_graph import batched_nodes, replicated_attrs
+from fxpipe.passes.partition.memory import (
     ESTIMATE,
     PARAM_COPIES,
     memory_terms,
     param_copies,
     whole_coef,
 )
-from fxpipe.passes.nx_graph import batched_nodes, replicated_attrs
-from fxpipe.passes.ops import held_parameters, module_path
-from fxpipe.passes.partition import Partition
+from fxpipe.passes.partition.search import Partition
 
 __all__ = [
     "build_plan",
     "stage_memory",
     "stage_parameters",
-    "stage_span",
     "training_overflow",
     "PARAM_COPIES",
 ]
@@ -80,6 +80,7 @@ def build_plan(
             memory_bytes=0,
             inputs=inputs,
             outputs=outputs,
+            span=_span(gm, nodes),
         )
         memory = stage_memory(
             stage, costs, chunks=chunks, checkpoint=checkpoint, last=j == k - 1,
@@ -124,7 +125,7 @@ def _edges(
     """Values sent between stages; model outputs go through the last stage only in relay
     mode (direct: the stage that makes an output returns it). A ``get_attr`` of a
     non-tensor object (a higher-order op's body) is named by each stage that reads it and
-    is never sent (:func:`fxpipe.passes.nx_graph.replicated_attrs`)."""
+    is never sent (:func:`fxpipe.passes.partition.cost_graph.replicated_attrs`)."""
     out = []
     shared = replicated_attrs(gm)
     for node in gm.graph.nodes:
@@ -220,16 +221,7 @@ def _overflow(
 
 
 def _with_memory(stage: StagePlan, memory: int) -> StagePlan:
-    return StagePlan(
-        stage.index,
-        stage.device,
-        stage.nodes,
-        stage.cost,
-        stage.param_bytes,
-        memory,
-        stage.inputs,
-        stage.outputs,
-    )
+    return replace(stage, memory_bytes=memory)
 
 
 def _check_fits(
@@ -254,10 +246,10 @@ def _check_fits(
     )
 
 
-def stage_span(plan: PipelinePlan, stage: StagePlan) -> tuple[str, str]:
-    """The first and last module paths a stage covers (node names where it has none)."""
-    nodes = {n.name: n for n in plan.graph_module.graph.nodes}
-    work = [nodes[n] for n in stage.nodes if nodes[n].op not in ("placeholder", "output")]
+def _span(gm: fx.GraphModule, names: tuple[str, ...]) -> tuple[str, str]:
+    """The first and last module paths ``names`` cover (node names where they have none)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    work = [nodes[n] for n in names if nodes[n].op not in ("placeholder", "output")]
     paths = [p for p in (module_path(n) for n in work) if p]
     if paths:
         return paths[0], paths[-1]

@@ -7,11 +7,11 @@ from collections.abc import Callable
 import numpy as np
 
 from fxpipe.ir import Traffic
-from fxpipe.passes.fit import StageFit
-from fxpipe.passes.ideals import ideal_split, ideal_stages
-from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering, received_on_ideals
-from fxpipe.passes.objective import Pick
-from fxpipe.passes.units import Units
+from fxpipe.passes.partition.fit import StageFit
+from fxpipe.passes.partition.ideals import ideal_split, ideal_stages
+from fxpipe.passes.partition.memory import FIRST_READER, MODEL_INPUT, Entering, received_on_ideals
+from fxpipe.passes.partition.objective import Pick
+from fxpipe.passes.partition.units import Units
 
 __all__ = ["search_on_ideals", "fewest_bytes_on_ideals"]
 

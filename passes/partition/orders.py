@@ -10,14 +10,14 @@ import networkx as nx
 import numpy as np
 
 from fxpipe.ir import Traffic
-from fxpipe.passes.dp import min_bytes_split, min_max_split
-from fxpipe.passes.fit import StageFit, order_split
-from fxpipe.passes.ideal_search import fewest_bytes_on_ideals
-from fxpipe.passes.ideals import ideal_split, ideal_stages
-from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering
-from fxpipe.passes.objective import Pick, bottleneck_of, sent_bytes
-from fxpipe.passes.units import Units
-from fxpipe.passes.windows import coarsen_near_borders, coarsen_values
+from fxpipe.passes.partition.chain_dp import min_bytes_split, min_max_split
+from fxpipe.passes.partition.exact import fewest_bytes_on_ideals
+from fxpipe.passes.partition.fit import StageFit, order_split
+from fxpipe.passes.partition.ideals import ideal_split, ideal_stages
+from fxpipe.passes.partition.memory import FIRST_READER, MODEL_INPUT, Entering
+from fxpipe.passes.partition.objective import Pick, bottleneck_of, sent_bytes
+from fxpipe.passes.partition.units import Units
+from fxpipe.passes.partition.windows import coarsen_near_borders, coarsen_values
 
 __all__ = [
     "search_on_orders",

@@ -1,7 +1,7 @@
 """The split under memory budgets, and what the least memory any split needs when none fits.
 
-The searches of :mod:`fxpipe.passes.partition` take each stage position's memory limit
-inside them (:class:`fxpipe.passes.fit.StageFit`): a stage over its limit is never a
+The searches of :mod:`fxpipe.passes.partition.search` take each stage position's memory limit
+inside them (:class:`fxpipe.passes.partition.fit.StageFit`): a stage over its limit is never a
 candidate of the exact search on ideals, of the exact split of an order, of the windows or
 of refinement. How the devices' budgets become limits:
 
@@ -48,10 +48,10 @@ import networkx as nx
 import numpy as np
 
 from fxpipe.errors import MemoryPlanError
-from fxpipe.passes.fit import StageFit
-from fxpipe.passes.memory import ESTIMATE, Entering, MemoryModel
-from fxpipe.passes.memory_tables import UnitMemory, unit_memory
-from fxpipe.passes.units import Units
+from fxpipe.passes.partition.fit import StageFit
+from fxpipe.passes.partition.memory import ESTIMATE, Entering, MemoryModel
+from fxpipe.passes.partition.memory_tables import UnitMemory, unit_memory
+from fxpipe.passes.partition.units import Units
 
 __all__ = ["Found", "Search", "fit_budgets"]
 
@@ -66,7 +66,8 @@ BISECTIONS = 40
 
 
 class Search(Protocol):
-    """The partitioner's searches of one graph (:class:`fxpipe.passes.partition._Search`)."""
+    """The partitioner's searches of one graph
+    (:class:`fxpipe.passes.partition.search._Search`)."""
 
     @property
     def k(self) -> int: ...

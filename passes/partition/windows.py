@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 import networkx as nx
 import numpy as np
 
-from fxpipe.passes.ideals import enumerate_ideals
-from fxpipe.passes.memory import FIRST_READER, Entering
-from fxpipe.passes.units import Units
+from fxpipe.passes.partition.ideals import enumerate_ideals
+from fxpipe.passes.partition.memory import FIRST_READER, Entering
+from fxpipe.passes.partition.units import Units
 
 __all__ = ["coarsen_near_borders", "coarsen_values"]
 
@@ -111,7 +111,8 @@ def _coarse_units(units: Units, of_unit: np.ndarray, dag: nx.DiGraph) -> Units:
 
 def coarsen_values(values: list[Entering], of_unit: np.ndarray) -> list[Entering]:
     """``values`` seen on coarse units (``of_unit[u]``: the coarse unit of fine unit u): what
-    :func:`fxpipe.passes.partition._values` returns for them, without walking the graph again."""
+    :func:`fxpipe.passes.partition.search._values` returns for them, without walking the graph
+    again."""
     out = []
     for v in values:
         producer = v.producer if v.producer < 0 else int(of_unit[v.producer])

@@ -1,32 +1,31 @@
 """Splits a cost graph into K balanced, convex stages; plans only, mutates nothing.
 
-The search works on *units* (:mod:`fxpipe.passes.units`), so that non-tensor values and
-zero-cost naming nodes never become stage borders:
+The search works on *units* (``units``; the modules named here are this package's), so
+that non-tensor values and zero-cost naming nodes never become stage borders:
 
 1. When the unit DAG has few enough ideals, the split is the exact optimum over every
-   convex split (:mod:`fxpipe.passes.ideal_search`, on :mod:`fxpipe.passes.ideals`).
+   convex split (``exact``, on the ideal lattice of ``ideals``).
 2. Otherwise several topological orders (fx order, breadth-first by depth, depth-first
-   finishing each branch, seeded random ones) are each split exactly
-   (:mod:`fxpipe.passes.dp`) and refined; the best bottleneck wins. Its borders are then
-   re-placed exactly within windows around them (:mod:`fxpipe.passes.windows`). Both
-   steps are :mod:`fxpipe.passes.order_search`.
+   finishing each branch, seeded random ones) are each split exactly (``chain_dp``) and
+   refined; the best bottleneck wins. Its borders are then re-placed exactly within
+   windows around them (``windows``). Both steps are ``orders``.
 3. Among splits whose bottleneck is within ``slack`` of the best, the one that sends the
-   fewest bytes (:mod:`fxpipe.passes.objective`) is kept, unless the best-bottleneck split
-   sends no more. ``traffic`` says how the stage modules will move values: ``"direct"``
-   (the default codegen) sends a value once to every later stage that reads it;
+   fewest bytes (``objective``) is kept, unless the best-bottleneck split sends no more.
+   ``traffic`` says how the stage modules will move values: ``"direct"`` (the default
+   codegen) sends a value once to every later stage that reads it;
    ``"relay"`` passes it through every border between its producer and its last reader.
    The exact searches (whole DAG, windows) minimise that traffic; the split of the best
    order minimises relay bytes (an upper bound of the direct traffic); the order path
    keeps whichever of the two sends less.
-4. ``speed`` and ``memory`` (:mod:`fxpipe.passes.fit`): stage j's time is its cost over
-   the speed of its device, and every search above compares times. Under memory budgets
+4. ``speed`` and ``memory`` (``fit``): stage j's time is its cost over the speed of its
+   device, and every search above compares times. Under memory budgets
    the split found first is kept when every device holds its stages; otherwise the same
    searches run again with each stage's memory limit inside them (a stage over its limit
-   is never a candidate) as :mod:`fxpipe.passes.budgeted` says.
+   is never a candidate) as ``budgeted`` says.
 
 Placeholders go to stage 0, ``get_attr`` nodes to the first stage that reads them, and
 the output node to the last stage. This module is the entry point and the driver that runs
-either search under any :class:`fxpipe.passes.fit.StageFit`.
+either search under any :class:`fxpipe.passes.partition.fit.StageFit`.
 """
 
 from __future__ import annotations
@@ -41,14 +40,14 @@ import numpy as np
 
 from fxpipe.errors import PlanError
 from fxpipe.ir import Traffic
-from fxpipe.passes.budgeted import Found, fit_budgets
-from fxpipe.passes.fit import StageFit, order_split
-from fxpipe.passes.ideal_search import fewest_bytes_on_ideals, search_on_ideals
-from fxpipe.passes.ideals import enumerate_ideals, ideal_split, ideal_stages
-from fxpipe.passes.memory import FIRST_READER, MODEL_INPUT, Entering, MemoryModel
-from fxpipe.passes.nx_graph import carries_value
-from fxpipe.passes.objective import bottleneck_of, sent_bytes
-from fxpipe.passes.order_search import (
+from fxpipe.passes.partition.budgeted import Found, fit_budgets
+from fxpipe.passes.partition.cost_graph import carries_value
+from fxpipe.passes.partition.exact import fewest_bytes_on_ideals, search_on_ideals
+from fxpipe.passes.partition.fit import StageFit, order_split
+from fxpipe.passes.partition.ideals import enumerate_ideals, ideal_split, ideal_stages
+from fxpipe.passes.partition.memory import FIRST_READER, MODEL_INPUT, Entering, MemoryModel
+from fxpipe.passes.partition.objective import bottleneck_of, sent_bytes
+from fxpipe.passes.partition.orders import (
     WINDOW_ROUNDS,
     candidate_orders,
     first_cut,
@@ -56,8 +55,8 @@ from fxpipe.passes.order_search import (
     search_on_orders,
     windows_until_stable,
 )
-from fxpipe.passes.units import Units, build_units
-from fxpipe.passes.windows import coarsen_near_borders, coarsen_values
+from fxpipe.passes.partition.units import Units, build_units
+from fxpipe.passes.partition.windows import coarsen_near_borders, coarsen_values
 
 __all__ = [
     "Partition",
@@ -68,7 +67,8 @@ __all__ = [
 #: Largest ideal count the exact search takes on inside the partitioner.
 EXACT_LIMIT = 1500
 #: Largest ideal count of the coarse DAG on which the order search's borders are re-placed
-#: exactly (:mod:`fxpipe.passes.windows`); smaller than EXACT_LIMIT to keep that step cheap.
+#: exactly (:mod:`fxpipe.passes.partition.windows`); smaller than EXACT_LIMIT to keep that
+#: step cheap.
 WINDOW_LIMIT = 600
 
 
@@ -101,7 +101,8 @@ def partition_graph(
     speed: Sequence[float] | None = None,
     memory: MemoryModel | None = None,
 ) -> Partition:
-    """Split ``g`` (from :func:`fxpipe.passes.nx_graph.to_networkx`) into ``num_stages``.
+    """Split ``g`` (from :func:`fxpipe.passes.partition.cost_graph.to_networkx`) into
+    ``num_stages``.
 
     ``exact_limit`` caps the ideals of the whole-DAG exact search (0: order search only);
     ``window_limit`` those of the coarse DAG around the order search's borders (0: none).

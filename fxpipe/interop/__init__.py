@@ -1,0 +1,2 @@
+"""Interop: how a pipeline stands where its model stood in other tools (transformers'
+Trainer, Accelerate, Lightning)."""
