@@ -58,13 +58,14 @@ def all_nan(want: Side) -> str | None:
     return None
 
 
-def build_pipeline(subject: Subject, piped: nn.Module, label: str) -> Any:
-    """fxpipe's pipeline of ``piped`` (in the mode it is in) over the subject's example."""
+def build_pipeline(subject: Subject, piped: nn.Module, label: str, chunks: int = CHUNKS) -> Any:
+    """fxpipe's pipeline of ``piped`` (in the mode it is in) over the subject's example, with
+    ``chunks`` micro-batches."""
     import fxpipe
 
     args, kwargs = subject.inputs
     phase(f"{label}: fxpipe.pipeline")
-    options: Kwargs = {"chunks": CHUNKS, "cost": subject.cost, "example_kwargs": fresh(kwargs)}
+    options: Kwargs = {"chunks": chunks, "cost": subject.cost, "example_kwargs": fresh(kwargs)}
     return fxpipe.pipeline(piped, fresh(args), ["cpu"] * subject.stages, **options)
 
 
