@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -38,10 +39,11 @@ _WORST = ("wrong", "crashed", "refused", "equal")
 SEEDS = (1, 2, 3, 4, 5, 6)
 #: What the dropout check compares, kept in its rows.
 COMPARED = (
-    "train: fxpipe at chunks=1 against eager on the whole batch, each seeded alike just "
-    "before the call, at two seeds where eager's outputs differ (outputs, gradients, "
-    "buffers); eval: a pipeline built in train mode at chunks=4, after pipe.eval() under "
-    "no_grad, against eager in eval mode, two calls alike"
+    "train: fxpipe at chunks=1, over the most stages (the model's or fewer) whose split "
+    "draws random numbers in eager's order, against eager on the whole batch, each seeded "
+    "alike just before the call, at two seeds where eager's outputs differ (outputs, "
+    "gradients, buffers); eval: a pipeline built in train mode at chunks=4, after "
+    "pipe.eval() under no_grad, against eager in eval mode, two calls alike"
 )
 
 
@@ -71,10 +73,10 @@ def _seeded_eager(model: torch.nn.Module, inputs: tuple[Args, Kwargs], seed: int
     return backward(oracle, output, loss_weights(output))
 
 
-def _drawing_seeds(model: torch.nn.Module, inputs: tuple[Args, Kwargs]) -> tuple[int, int] | None:
+def _drawing_seeds(model: torch.nn.Module, inputs: tuple[Args, Kwargs]) -> tuple[int, int] | str:
     """Two of :data:`SEEDS` at which eager's training calls give different outputs (its
-    dropout really draws: drop-path over a few samples may drop nothing at one seed); None
-    where every seed gives the same outputs."""
+    dropout really draws: drop-path over a few samples may drop nothing at one seed); else
+    why not: the outputs are all NaN, or every seed gives the same (no active dropout)."""
     oracle = copy.deepcopy(model).train()
     first: tuple[int, Any] | None = None
     for seed in SEEDS:
@@ -84,9 +86,13 @@ def _drawing_seeds(model: torch.nn.Module, inputs: tuple[Args, Kwargs]) -> tuple
             output = oracle(*args, **kwargs)
         if first is None:
             first = seed, output
+            nan = all_nan(Side(output, {}, {}))
+            if nan:
+                return nan
         elif _differ(output, first[1]):
             return first[0], seed
-    return None
+    seeds = f"{SEEDS[0]}-{SEEDS[-1]}"
+    return f"no active dropout: eager's training calls at seeds {seeds} give the same outputs"
 
 
 def _worst_errors(errors: list[dict[str, float]]) -> dict[str, float]:
@@ -95,30 +101,84 @@ def _worst_errors(errors: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+#: Random operators, by name (aten's, torch's, a tensor method's, torch.nn.functional's).
+_RANDOM = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
+           "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "bernoulli",
+           "bernoulli_", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like",
+           "randperm", "normal", "normal_", "uniform_", "multinomial", "exponential_",
+           "geometric_", "cauchy_", "log_normal_", "random_"}  # fmt: skip
+
+
+def _draws(gm: torch.fx.GraphModule) -> list[str]:
+    """The nodes of ``gm`` that draw random numbers, in its order: a random operator, or a
+    module with a dropout-like probability above 0."""
+    names = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            draws = has_dropout(gm.get_submodule(node.target))
+        elif node.op in ("call_function", "call_method"):
+            words = f"{getattr(node.target, '__name__', '')} {node.target}"
+            draws = not _RANDOM.isdisjoint(re.split(r"[^A-Za-z0-9_]+", words))
+        else:
+            draws = False
+        if draws:
+            names.append(node.name)
+    return names
+
+
+def _moved_draw(pipe: Any) -> str | None:
+    """Where the stages, run one after the other, draw random numbers in another order than
+    the model (its traced graph, in eager's order): a node that draws, moved by the split
+    ahead of one the model draws before it (an encoder-decoder's decoder embedding placed
+    with the encoder's first layers); None where the order is eager's."""
+    order = _draws(pipe.variants[0].traced.graph_module)
+    where = {name: j for j, stage in enumerate(pipe.stages) for name in _draws(stage)}
+    staged = list(where)
+    expected = [name for name in order if name in where]
+    if staged == expected or set(staged) != set(order):
+        return None
+    i = next(i for i, (a, b) in enumerate(zip(staged, expected)) if a != b)
+    return (
+        f"{staged[i]} (stage {where[staged[i]]}) before {expected[i]} (stage {where[expected[i]]})"
+    )
+
+
+def _in_eager_order(mine: Subject, row: Row) -> tuple[torch.nn.Module, Any]:
+    """A copy of the model in train mode and its pipeline of one micro-batch over the most
+    stages (the subject's, or fewer) whose split draws random numbers in eager's order; each
+    split that does not is noted in ``row`` (``reordered``), with the stages compared."""
+    for stages in range(mine.stages, 0, -1):
+        single = copy.deepcopy(mine.model).train()
+        pipe = build_pipeline(replace(mine, stages=stages), single, "dropout: train", chunks=1)
+        moved = _moved_draw(pipe) if stages > 1 else None
+        if moved is None:
+            break
+        row.setdefault("reordered", []).append(f"{stages} stages: {moved}")
+    row["stages_compared"] = stages
+    return single, pipe
+
+
 def _train_half(mine: Subject) -> Row:
-    """The training half of :func:`dropout_on`, exact: a pipeline of one micro-batch draws
-    its random numbers in eager's order, so seeded alike it gives eager's outputs, gradients
-    and buffers; at two seeds where eager's outputs differ."""
+    """The training half of :func:`dropout_on`, exact: a pipeline of one micro-batch whose
+    stages draw random numbers in eager's order (:func:`_in_eager_order`), seeded alike,
+    gives eager's outputs, gradients and buffers; at two seeds where eager's outputs differ,
+    each call from the model's state as built."""
     model, inputs = mine.model, mine.inputs
     try:
         phase("dropout: eager at seeds")
         seeds = _drawing_seeds(model, inputs)
-        if seeds is None:
-            return {"status": "skipped", "reason": "no active dropout: eager's training calls "
-                    f"at seeds {SEEDS[0]}-{SEEDS[-1]} give the same outputs"}  # fmt: skip
+        if isinstance(seeds, str):
+            return {"status": "skipped", "reason": seeds}
         wants = {seed: _seeded_eager(model, inputs, seed) for seed in seeds}
     except Exception as exc:
         return _skipped("eager failed", exc)
-    nan = next((all_nan(want) for want in wants.values() if all_nan(want)), None)
-    if nan:
-        return {"status": "skipped", "reason": nan}
     row: Row = {"seeds": list(seeds)}
-    single = copy.deepcopy(model).train()
     errors = []
     try:
-        pipe = build_pipeline(mine, single, "dropout: train", chunks=1)
+        single, pipe = _in_eager_order(mine, row)
         for seed, want in wants.items():
             single.zero_grad(set_to_none=True)
+            pipe.load_state_dict(model.state_dict())  # buffers as eager's copy starts them
             torch.manual_seed(seed)  # nothing draws between here and the model's first op
             got = pipeline_side(pipe, single, inputs, want, f"dropout: train at seed {seed}")
             problem, error = compare(got, want)
