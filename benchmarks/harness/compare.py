@@ -10,12 +10,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
-__all__ = ["TOLERANCE", "FLOOR", "Side", "err", "compare_outputs", "compare_tensors", "compare"]
+__all__ = ["TOLERANCE", "LOW_EPS", "FLOOR", "Side", "err", "tolerance", "compare_outputs",
+           "compare_tensors", "compare_kinds", "compare"]  # fmt: skip
 
 #: err < TOLERANCE counts as equal. float64 rounding of sums taken in another order (as
 #: micro-batching does) stays near 1e-13; a real fault (a lost term, a mis-routed micro-batch)
 #: is of order 1e-3 or more. 1e-7 sits far from both.
 TOLERANCE = 1e-7
+#: a leaf in a narrower float than float64 is equal within this many of its type's epsilon.
+LOW_EPS = 8
 #: an error's denominator never falls under FLOOR x the largest magnitude of the set
 #: (outputs, or gradients), so an exactly-zero gradient is not divided by zero.
 FLOOR = 1e-3
@@ -66,18 +69,29 @@ def _shape_problem(name: str, got: Any, want: torch.Tensor) -> str | None:
 Named = Iterable[tuple[str, torch.Tensor, Any]]
 
 
+def tolerance(want: torch.Tensor) -> float:
+    """The error under which a leaf counts as equal: TOLERANCE, or for a leaf the model gives
+    in a narrower float than float64 (a transformers loss, computed in float32) LOW_EPS of
+    that type's epsilon, its own rounding (float32: 9.5e-7)."""
+    if want.is_floating_point() and want.dtype.itemsize < 8:
+        return max(TOLERANCE, LOW_EPS * torch.finfo(want.dtype).eps)
+    return TOLERANCE
+
+
 def _worst(named: Named, floor: float) -> tuple[str | None, float]:
-    """The leaf with the largest error (named when over TOLERANCE) and that error; a leaf of
-    another type, shape or dtype is reported at once."""
-    worst, where = 0.0, ""
+    """The largest error, and the leaf furthest over its tolerance (None when none is); a
+    leaf of another type, shape or dtype is reported at once."""
+    worst, over, where = 0.0, 1.0, ""
     for name, w, g in named:
         problem = _shape_problem(name, g, w)
         if problem:
             return problem, float("inf")
         e = err(g, w, floor)
-        if not e <= worst:
-            worst, where = e, name
-    return (f"{where}: err {worst:.2e}" if not worst < TOLERANCE else None), worst
+        worst = e if not e <= worst else worst
+        ratio = e / tolerance(w)
+        if not ratio < over:
+            over, where = ratio, f"{name}: err {e:.2e}"
+    return (where or None), worst
 
 
 def compare_outputs(got: Any, want: Any) -> tuple[str | None, float]:
@@ -114,15 +128,21 @@ def compare_tensors(
     return _worst(named, FLOOR * _largest(want.values()))
 
 
+def compare_kinds(got: Side, want: Side) -> dict[str, tuple[str | None, float]]:
+    """Per kind (output, grad, buffer): its worst difference (None when equal) and largest
+    error; the outputs alone where their structure, a type or a shape differs."""
+    kinds = {"output": compare_outputs(got.output, want.output)}
+    if kinds["output"][1] == float("inf"):
+        return kinds
+    kinds["grad"] = compare_tensors("grad", got.grads, want.grads)
+    kinds["buffer"] = compare_tensors("buffer", got.buffers, want.buffers)
+    return kinds
+
+
 def compare(got: Side, want: Side) -> tuple[str | None, dict[str, float]]:
     """The first kind (outputs, gradients, buffers) that differs, by its worst leaf, and the
-    largest error of each kind."""
-    worst: dict[str, float] = {}
-    first: str | None = None
-    problem, worst["output"] = compare_outputs(got.output, want.output)
-    if problem:
-        return problem, worst
-    for kind, g, w in (("grad", got.grads, want.grads), ("buffer", got.buffers, want.buffers)):
-        problem, worst[kind] = compare_tensors(kind, g, w)
-        first = first or problem
-    return first, worst
+    largest error of each kind (of the outputs alone where their structure, a type or a
+    shape differs)."""
+    kinds = compare_kinds(got, want)
+    first = next((problem for problem, _ in kinds.values() if problem), None)
+    return first, {kind: worst for kind, (_, worst) in kinds.items()}

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from benchmarks.harness.compare import Side
@@ -46,17 +46,32 @@ def split_rows(tree: Any, parts: int) -> list[Any]:
     ]
 
 
+def _rows(args: Args, kwargs: Kwargs) -> int:
+    """The batch size: dim 0 of the first tensor argument with one."""
+    leaves = tree_flatten((args, kwargs))[0]
+    return next(x.size(0) for x in leaves if isinstance(x, torch.Tensor) and x.dim())
+
+
 def micro_batches(args: Args, kwargs: Kwargs, chunks: int) -> list[tuple[Args, Kwargs]]:
     """Every tensor split on dim 0 into min(chunks, batch) parts, as fxpipe's scatter does."""
-    size = next(x.size(0) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor))
-    return split_rows((args, kwargs), min(chunks, size))
+    return split_rows((args, kwargs), min(chunks, _rows(args, kwargs)))
 
 
-def join(outputs: list[Any]) -> Any:
-    """Micro-batch outputs concatenated on dim 0 (other leaves from the first)."""
+def join(outputs: list[Any], weights: list[float] | None = None) -> Any:
+    """Micro-batch outputs concatenated on dim 0; a 0-dim floating leaf (a loss, a mean over
+    the batch) is their mean weighted by ``weights`` (one per micro-batch: the rows or labels
+    it counts; default alike); other leaves from the first."""
     flat = [tree_flatten(out) for out in outputs]
-    columns = zip(*(leaves for leaves, _ in flat))
-    joined = [torch.cat(c) if isinstance(c[0], torch.Tensor) else c[0] for c in columns]
+    share = [w / sum(weights) for w in weights] if weights else [1 / len(outputs)] * len(outputs)
+    joined = []
+    for column in zip(*(leaves for leaves, _ in flat)):
+        first = column[0]
+        if not isinstance(first, torch.Tensor):
+            joined.append(first)
+        elif first.dim() == 0 and first.is_floating_point():
+            joined.append(sum((x * w for x, w in zip(column, share)), torch.zeros_like(first)))
+        else:
+            joined.append(torch.cat(column))
     return tree_unflatten(joined, flat[0][1])
 
 
@@ -93,19 +108,34 @@ def _detach(tree: Any) -> Any:
     return map_tensors(tree, lambda x: x.detach())
 
 
-def run_eager(model: nn.Module, args: Args, kwargs: Kwargs, chunks: int | None) -> Any:
-    """``model`` on the whole batch, or (``chunks``) on its micro-batches, outputs joined."""
+def run_eager(
+    model: nn.Module, args: Args, kwargs: Kwargs, chunks: int | None, counts: Tensor | None = None
+) -> Any:
+    """``model`` on the whole batch, or (``chunks``) on its micro-batches, outputs joined (a
+    0-dim leaf weighted by the ``counts`` of each micro-batch's rows, else by its rows)."""
     if chunks is None:
         return model(*fresh(args), **fresh(kwargs))
     parts = micro_batches(fresh(args), fresh(kwargs), chunks)
-    return join([model(*a, **k) for a, k in parts])
+    if counts is None:
+        counts = torch.ones(_rows(args, kwargs))
+    weights = [float(c.sum()) for c in counts.tensor_split(len(parts))]
+    return join([model(*a, **k) for a, k in parts], weights)
 
 
 def eager_side(
-    model: nn.Module, inputs: tuple[Args, Kwargs], train: bool, chunks: int | None
+    model: nn.Module,
+    inputs: tuple[Args, Kwargs],
+    train: bool,
+    chunks: int | None,
+    counts: Tensor | None = None,
+    grads: bool = True,
 ) -> Side:
     """Eager on a deep copy of ``model`` in ``train`` mode, on the whole batch or (``chunks``)
-    on its micro-batches: outputs, then gradients and buffers after backward."""
+    on its micro-batches (a 0-dim output weighted by ``counts``): outputs, then gradients and
+    buffers after backward; with ``grads`` False, outputs only, under ``torch.no_grad()``."""
     oracle = copy.deepcopy(model).train(train)
-    output = run_eager(oracle, *inputs, chunks)
+    if not grads:
+        with torch.no_grad():
+            return Side(run_eager(oracle, *inputs, chunks, counts), {}, {})
+    output = run_eager(oracle, *inputs, chunks, counts)
     return backward(oracle, output, loss_weights(output))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["zero_dropout", "to_double", "fresh", "map_tensors"]
+__all__ = ["zero_dropout", "has_dropout", "to_double", "fresh", "map_tensors"]
 
 DROP_ATTRS = ("p", "drop_prob", "drop_rate", "drop_path_prob")
 
@@ -24,8 +24,10 @@ def _dropout_like(module: nn.Module) -> bool:
     )
 
 
-def zero_dropout(model: nn.Module) -> None:
-    """``p = 0`` on every dropout-like module; every float ``*dropout*`` attribute to 0."""
+def _dropout_fields(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every positive float field of a module that sets a dropout-like probability: ``p`` and
+    the like on dropout-like modules, ``*dropout*``, ``*drop_path*``, ``*layerdrop*``."""
+    fields = []
     for module in model.modules():
         dropish = _dropout_like(module)
         for key, value in list(vars(module).items()):
@@ -33,7 +35,19 @@ def zero_dropout(model: nn.Module) -> None:
                 continue
             named = "dropout" in key or "drop_path" in key or "layerdrop" in key
             if named or (dropish and key in DROP_ATTRS):
-                setattr(module, key, 0.0)
+                fields.append((module, key))
+    return fields
+
+
+def zero_dropout(model: nn.Module) -> None:
+    """``p = 0`` on every dropout-like module; every float ``*dropout*`` attribute to 0."""
+    for module, key in _dropout_fields(model):
+        setattr(module, key, 0.0)
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Does any module of ``model`` have a dropout-like probability above 0?"""
+    return bool(_dropout_fields(model))
 
 
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -3,16 +3,18 @@
 Run from the repository root::
 
     python -m benchmarks.sweep [--only PATTERN] [--cost flops] [--jobs 1] [--timeout 240] \\
-        [--out PATH] [--merge | --resume] [--list] [--show] [--label TEXT]
+        [--out PATH] [--merge | --resume] [--list] [--show [--markdown]] [--label TEXT]
 
 Each model runs in a subprocess of its own (``worker.py``), in float64 with every dropout at
-zero, over 2-4 CPU stages with 4 micro-batches, through every check of ``checks.py``: today
-train mode and eval mode, each comparing outputs (structure, containers and every leaf),
-every parameter's gradient and every persistent buffer with the eager model's (the oracle,
+zero, over 2-4 CPU stages with 4 micro-batches, through every check of ``checks.py``: train
+mode and eval mode, each comparing outputs (structure, containers and every leaf), every
+parameter's gradient and every persistent buffer with the eager model's (the oracle,
 ``benchmarks/harness/oracle.py``; in train mode a model whose modules mix samples, BatchNorm
-and the like, is compared with eager run on the same micro-batches fxpipe makes). Each
-check, and the model as the worst of them, is classified equal / refused / crashed / wrong
-/ timeout (or skipped when eager itself fails here). Needs timm, torchvision and
+and the like, is compared with eager run on the same micro-batches fxpipe makes); and for
+the transformers models (``hf_checks.py``) dropout on in both modes, a loss computed inside
+the model from ``labels=``, and sequence lengths other than the example's. Each check, and
+the model as the worst of them, is classified equal / refused / crashed / wrong / timeout
+(or skipped when eager itself fails here). Needs timm, torchvision and
 transformers, which fxpipe's own environment does not have: see
 ``benchmarks/docs/sweep.md``. Rows go to ``benchmarks/results/sweep.json`` after each model.
 """
@@ -37,7 +39,7 @@ from benchmarks.harness.output import ROOT, result_path
 from benchmarks.harness.processes import SINGLE_THREAD_ENV, module_command
 from benchmarks.harness.rows import Row, load_rows, save_rows
 from benchmarks.sweep.progress import MARK
-from benchmarks.sweep.report import meta, table
+from benchmarks.sweep.report import markdown, meta, table
 from benchmarks.sweep.worker import stages_for, worker
 
 DEFAULT_OUT = result_path("sweep")
@@ -121,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--list", action="store_true", help="list the selected models")
     parser.add_argument("--label", default="", help="a note kept in the JSON (which fxpipe)")
     parser.add_argument("--show", action="store_true", help="print the table of --out only")
+    parser.add_argument(
+        "--markdown", action="store_true", help="with --show: one Markdown row per model"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         os._exit(0)  # fxpipe's worker threads must not hold the process open
     if args.show:
-        print(table(load_rows(args.out)[1]))
+        rows = load_rows(args.out)[1]
+        print(markdown(rows) if args.markdown else table(rows))
         return
     specs = select(registry(), args.only)
     if args.resume and args.out.exists():

@@ -15,7 +15,7 @@ from benchmarks.harness.machine import library_versions
 from benchmarks.harness.rows import STATUSES, Row
 from benchmarks.sweep.checks import CHECKS, CHUNKS
 
-__all__ = ["LIBRARIES", "table", "meta"]
+__all__ = ["LIBRARIES", "table", "markdown", "meta"]
 
 #: The libraries the models come from, recorded with every run.
 LIBRARIES = ("torch", "torchvision", "timm", "transformers")
@@ -58,6 +58,25 @@ def table(rows: list[Row]) -> str:
     for r in sorted(bad, key=lambda r: (_ORDER.get(r["status"], 9), r["family"], r["name"])):
         lines.append(f"{r['status']:<8} {r['name']:<34} {first_line(r.get('reason', ''), 150)}")
     return "\n".join(lines)
+
+
+def markdown(rows: list[Row]) -> str:
+    """A Markdown table of every model: its family, its class and each check's (``-``: the
+    check does not apply to it); then the models equal in each check over those it judged,
+    and the models per class."""
+    checks = list(dict.fromkeys([*CHECKS, *(c for r in rows for c in r.get("checks", {}))]))
+    lines = ["| model | family | " + " | ".join(checks) + " | class |",
+             "|---|---|" + "---|" * len(checks) + "---|"]  # fmt: skip
+    for r in rows:
+        cells = [r.get("checks", {}).get(c, {}).get("status", "-") for c in checks]
+        lines.append(
+            f"| {r['name']} | {r['family']} | " + " | ".join(cells) + f" | {r['status']} |"
+        )
+    per_check = [_check_cell(rows, c) for c in checks]
+    lines.append("| equal / judged | | " + " | ".join(per_check) + " | |")
+    counts = Counter(r["status"] for r in rows)
+    totals = ", ".join(f"{counts[s]} {s}" for s in STATUSES)
+    return "\n".join(lines) + f"\n\n{len(rows)} models: {totals}."
 
 
 def meta(args: argparse.Namespace) -> Row:

@@ -15,7 +15,8 @@ from benchmarks.harness.models.spec import (
     token_ids,
 )
 
-__all__ = ["VOCAB", "DECODER", "ENCODER", "SEQ2SEQ", "T5", "OMIT", "hf", "hf_text_specs"]
+__all__ = ["VOCAB", "DECODER", "ENCODER", "SEQ2SEQ", "T5", "OMIT", "LENGTH", "decoder_length",
+           "HfBuild", "hf", "hf_text_specs"]  # fmt: skip
 
 VOCAB = 99
 DECODER: Kwargs = dict(
@@ -58,33 +59,60 @@ def _zero_config_dropout(config: Any) -> None:
                 setattr(config, key, 0.0)
 
 
-def _text_inputs(kind: str, vocab: int) -> tuple[Args, Kwargs]:
-    ids = token_ids(vocab)
+#: The example's sequence length; the decoder's is 7 of it (``decoder_length``).
+LENGTH = 12
+
+
+def decoder_length(length: int) -> int:
+    """An encoder-decoder's decoder sequence for an encoder sequence of ``length`` (7 of 12)."""
+    return max(2, length * 7 // LENGTH)
+
+
+def _text_inputs(kind: str, vocab: int, length: int = LENGTH) -> tuple[Args, Kwargs]:
+    ids = token_ids(vocab, length=length)
     if kind == "ids":
         return (ids,), {}
-    kwargs: Kwargs = {"attention_mask": padding_mask()}
+    kwargs: Kwargs = {"attention_mask": padding_mask(length=length)}
     if kind == "seq2seq":
-        kwargs["decoder_input_ids"] = token_ids(vocab, length=7)
+        kwargs["decoder_input_ids"] = token_ids(vocab, length=decoder_length(length))
     return (ids,), kwargs
 
 
-def hf(model_type: str, head: str, base: Kwargs, inputs: str = "text", **over: Any) -> Any:
+class HfBuild:
     """A builder for a transformers model from a small config (``inputs``: text, ids, seq2seq,
-    image or image:SIZE)."""
+    image or image:SIZE): called, the model (every dropout at zero unless ``dropout``) and its
+    example; ``inputs(length)``, a text model's example at another sequence length."""
 
-    def build() -> Built:
+    def __init__(self, model_type: str, head: str, base: Kwargs, inputs: str, over: Kwargs):
+        self.model_type, self.head, self.kind = model_type, head, inputs
+        self.options = {k: v for k, v in {**base, **over}.items() if v != OMIT}
+        self.image_size = int(inputs.split(":")[1]) if ":" in inputs else base.get("image_size")
+
+    @property
+    def text(self) -> bool:
+        """Does the model take token ids whose dim 1 is the sequence?"""
+        return self.kind in ("text", "ids", "seq2seq")
+
+    def inputs(self, length: int = LENGTH) -> tuple[Args, Kwargs]:
+        """The example batch; for a text model, with every sequence at ``length``."""
+        if not self.text:
+            return images(int(self.image_size or 32)), {}
+        return _text_inputs(self.kind, int(self.options.get("vocab_size", VOCAB)), length)
+
+    def __call__(self, dropout: bool = False) -> Built:
         import transformers
 
-        options = {k: v for k, v in {**base, **over}.items() if v != OMIT}
-        config = transformers.AutoConfig.for_model(model_type, **options)
-        _zero_config_dropout(config)
-        model = getattr(transformers, HEADS[head]).from_config(config)
-        if inputs.startswith("image"):
-            size = int(inputs.split(":")[1]) if ":" in inputs else base.get("image_size", 32)
-            return model, images(int(size)), {}
-        return model, *_text_inputs(inputs, int(over.get("vocab_size", VOCAB)))
+        config = transformers.AutoConfig.for_model(self.model_type, **self.options)
+        if not dropout:
+            _zero_config_dropout(config)
+        model = getattr(transformers, HEADS[self.head]).from_config(config)
+        return model, *self.inputs()
 
-    return build
+
+def hf(model_type: str, head: str, base: Kwargs, inputs: str = "text", **over: Any) -> HfBuild:
+    """A builder for a transformers model from a small config (``inputs``: text, ids, seq2seq,
+    image or image:SIZE); ``build(dropout=True)`` keeps the config's dropout."""
+    return HfBuild(model_type, head, base, inputs, over)
 
 
 def _hf_decoders() -> list[Spec]:
@@ -285,7 +313,9 @@ def _hf_seq2seq() -> list[Spec]:
                                    num_encoder_layers=2, num_decoder_layers=2,
                                    num_encoder_attention_heads=4,
                                    num_decoder_attention_heads=4, ngram=2, num_buckets=8,
-                                   encoder_layers=OMIT, decoder_layers=OMIT)),
+                                   encoder_layers=OMIT, decoder_layers=OMIT),
+             # its masks are float32 (the default dtype) times float64's finfo.min: NaN
+             default_double=True),
         Spec("fsmt", fam, hf("fsmt", "seq2seq", s, "seq2seq", langs=["en", "de"],
                              src_vocab_size=VOCAB, tgt_vocab_size=VOCAB)),
     ]  # fmt: skip

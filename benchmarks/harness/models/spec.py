@@ -53,7 +53,7 @@ def token_ids(vocab: int, length: int = 12, batch: int = BATCH, low: int = 3) ->
 
 
 def padding_mask(batch: int = BATCH, length: int = 12) -> torch.Tensor:
-    """All ones but sequence 1, right-padded after 8 tokens."""
+    """All ones but sequence 1, right-padded after two thirds of its tokens (8 of 12)."""
     mask = torch.ones(batch, length, dtype=torch.long)
-    mask[1, 8:] = 0
+    mask[1, max(1, 2 * length // 3) :] = 0
     return mask
