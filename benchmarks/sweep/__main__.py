@@ -3,7 +3,11 @@
 Run from the repository root::
 
     python -m benchmarks.sweep [--only PATTERN] [--cost flops] [--jobs 1] [--timeout 240] \\
-        [--out PATH] [--merge | --resume] [--list] [--show [--markdown]] [--label TEXT]
+        [--out PATH] [--merge | --resume] [--list] [--show [--markdown]] [--label TEXT] \\
+        [--compile BACKEND]
+
+``--compile BACKEND`` runs every pipeline of every check with its stages through
+``torch.compile`` (``compile={"backend": BACKEND}``): the same checks against eager.
 
 Each model runs in a subprocess of its own (``worker.py``), in float64 with every dropout at
 zero, over 2-4 CPU stages with 4 micro-batches, through every check of ``checks.py``: train
@@ -63,12 +67,13 @@ def _finish(row: Row, timed_out: bool, rc: int | None, stderr: str, timeout: flo
     return row
 
 
-def run_child(spec: Spec, cost: str, timeout: float) -> Row:
-    """Run one model's worker in a subprocess of its own, killed after ``timeout`` seconds."""
+def run_child(spec: Spec, cost: str, timeout: float, compile: str = "") -> Row:
+    """Run one model's worker in a subprocess of its own, killed after ``timeout`` seconds;
+    ``compile``: the torch.compile backend of its pipelines' stages ("": none)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
         cmd = module_command("benchmarks.sweep", "--worker", spec.name, "--cost", cost,
-                             "--result", str(result))  # fmt: skip
+                             "--compile", compile, "--result", str(result))  # fmt: skip
         started = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **SINGLE_THREAD_ENV},
                                 text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -94,7 +99,7 @@ def run_all(specs: list[Spec], args: argparse.Namespace, settings: Row) -> list[
     merge = args.merge or args.resume
     order = list(registry())
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_child, s, args.cost, args.timeout) for s in specs]
+        futures = [pool.submit(run_child, s, args.cost, args.timeout, args.compile) for s in specs]
         for i, future in enumerate(futures, 1):
             row = future.result()
             rows.append(row)
@@ -109,6 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated name or family patterns")
     parser.add_argument("--cost", default="flops", help="fxpipe's cost= (default flops)")
+    parser.add_argument(
+        "--compile", default="", metavar="BACKEND",
+        help="run every pipeline's stages through torch.compile with this backend "
+        "(inductor, aot_eager, ...; default: not compiled)",
+    )  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per model")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.cost, args.result)
+        worker(args.worker, args.cost, args.result, args.compile)
         sys.stdout.flush()
         os._exit(0)  # fxpipe's worker threads must not hold the process open
     if args.show:

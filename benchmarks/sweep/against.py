@@ -42,6 +42,8 @@ class Subject:
     #: Per row of the batch, its weight in a mean the model takes over the batch (the labels
     #: its loss counts in it): how eager on micro-batches joins a 0-dim output. None: alike.
     counts: Tensor | None = None
+    #: The torch.compile backend of its pipelines' stages ("": not compiled).
+    compile: str = ""
 
 
 Check = Callable[[Subject], Row | None]
@@ -66,6 +68,8 @@ def build_pipeline(subject: Subject, piped: nn.Module, label: str, chunks: int =
     args, kwargs = subject.inputs
     phase(f"{label}: fxpipe.pipeline")
     options: Kwargs = {"chunks": chunks, "cost": subject.cost, "example_kwargs": fresh(kwargs)}
+    if subject.compile:
+        options["compile"] = {"backend": subject.compile}
     return fxpipe.pipeline(piped, fresh(args), ["cpu"] * subject.stages, **options)
 
 

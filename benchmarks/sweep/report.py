@@ -82,6 +82,7 @@ def markdown(rows: list[Row]) -> str:
 def meta(args: argparse.Namespace) -> Row:
     """The settings of a run, kept in its JSON."""
     return {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "cost": args.cost, "timeout_s": args.timeout,
+            "cpus": os.cpu_count(), "cost": args.cost, "compile": args.compile or None,
+            "timeout_s": args.timeout,
             "chunks": CHUNKS, "tolerance": TOLERANCE, "floor": FLOOR, "label": args.label,
             "checks": list(CHECKS), **library_versions(LIBRARIES)}  # fmt: skip

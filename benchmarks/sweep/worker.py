@@ -40,9 +40,9 @@ def stages_for(name: str) -> int:
     return 2 + zlib.crc32(name.encode()) % 3
 
 
-def check_model(spec: Spec, cost: str, save: Callable[[Row], None]) -> Row:
+def check_model(spec: Spec, cost: str, save: Callable[[Row], None], compile: str = "") -> Row:
     """Build and prepare ``spec`` (float64, no dropout), then run every check on it, saving
-    the row after each."""
+    the row after each (``compile``: the torch.compile backend of the pipelines' stages)."""
     row: Row = {"name": spec.name, "family": spec.family, "stages": stages_for(spec.name)}
     phase("build")
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def check_model(spec: Spec, cost: str, save: Callable[[Row], None]) -> Row:
     inputs = (to_double(args), to_double(kwargs))
     row["params"] = sum(p.numel() for p in model.parameters())
     row["batch"] = next(x.size(0) for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor))
-    subject = Subject(spec, model, inputs, row["stages"], cost)
+    subject = Subject(spec, model, inputs, row["stages"], cost, compile=compile)
     row["checks"] = {}
     for name, check in CHECKS.items():
         result = check(subject)
@@ -70,7 +70,7 @@ def check_model(spec: Spec, cost: str, save: Callable[[Row], None]) -> Row:
     return row
 
 
-def worker(name: str, cost: str, result: Path) -> None:
+def worker(name: str, cost: str, result: Path, compile: str = "") -> None:
     """Check model ``name``; its row goes to ``result`` after each check, marked
     ``complete`` once every check has run."""
     torch.set_num_threads(1)
@@ -80,4 +80,4 @@ def worker(name: str, cost: str, result: Path) -> None:
         seconds = round(time.perf_counter() - started, 1)
         result.write_text(scrub(json.dumps({**row, "seconds": seconds, "complete": complete})))
 
-    save(check_model(registry()[name], cost, save), complete=True)
+    save(check_model(registry()[name], cost, save, compile), complete=True)
