@@ -231,3 +231,34 @@ def test_the_other_mode_of_a_graph_that_reads_a_tensor_value_runs_as_eager() -> 
         torch.testing.assert_close(pipe(x), model(x))
     assert len(pipe.variants) == 2
     assert pipe.variants[1].plan.stage_of.keys() >= {"item"}  # split, priced as the first
+
+
+class MakesAConstant(nn.Module):
+    """Dropout, and a tensor made in forward from a Python number, which torch.export keeps
+    as a constant of the graph (XLM's attention does this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.relu(self.a(x)), 0.5, self.training)
+        return self.b(h) * torch.tensor([0.5, 1.0, 2.0, 4.0], device=x.device)
+
+
+def test_another_mode_whose_trace_makes_a_constant_is_refused_naming_it() -> None:
+    """The other mode is traced on meta views (the weights live on several devices), where a
+    constant made in forward has no values: refused, naming it and the remedy, never run."""
+    torch.manual_seed(0)
+    model = MakesAConstant()
+    x = torch.randn(8, 8)
+    pipe = fxpipe.pipeline(model, x, CPU2, chunks=2, tracer="export")
+    pipe(x)
+    pipe.eval()
+    model.eval()
+    with pytest.raises(fxpipe.errors.PlanError, match=r"made a constant tensor .*'meta'"):
+        pipe(x)
+    evaluating = fxpipe.pipeline(model, x, CPU2, chunks=2, tracer="export")  # the remedy
+    with torch.no_grad():
+        torch.testing.assert_close(evaluating(x), model(x))

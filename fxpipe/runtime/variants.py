@@ -176,8 +176,19 @@ def check_placement(
     names = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
     names.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
     for j, (module, device) in enumerate(zip(program.modules, devices, strict=True)):
-        for tensor in [*module.parameters(), *module.buffers()]:
+        held = [*module.named_parameters(), *module.named_buffers()]
+        for attr, tensor in held:
             if not same_device(tensor.device, device):
+                if id(tensor) not in names and tensor.is_meta:
+                    raise PlanError(
+                        f"the model traced again for this call (another training mode or "
+                        f"other arguments) made a constant tensor ({attr!r}, stage {j}) while "
+                        "it was traced on 'meta' (its weights live on several devices), "
+                        "where that constant has no values (a tensor the model's code makes "
+                        "in forward, which the trace keeps as a constant); build a pipeline "
+                        "with the model in this mode and with these arguments (for "
+                        "evaluation: model.eval() before fxpipe.pipeline)"
+                    )
                 name = names.get(id(tensor), "a tensor")
                 raise PlanError(
                     f"the model traced again for this call (another training mode or "
