@@ -9,45 +9,21 @@ from typing import Any
 
 import pytest
 import torch
-from models import ZOO, Case
-from oracle import relative_error
+from models import ZOO
+from oracle import example_in, prepared, relative_error, weighted_loss
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 import fxpipe
 
 QUICK = "multi_io_dict"
 
 
-def _prepared(case: Case) -> nn.Module:
-    model = case.build().double()
-    model.train("batchnorm" not in case.tags)
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-    return model
-
-
-def _example(case: Case) -> tuple[Any, Any]:
-    def double(t: Any) -> Any:
-        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    return tree_map(double, case.example(case.batch))
-
-
-def _loss(out: Any) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
-    for t in tree_flatten(out)[0]:
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            total = total + (t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)).sum()
-    return total
-
-
 def _run(model: nn.Module, args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
     for p in model.parameters():
         p.grad = None
     out = model(*args, **kwargs)
-    _loss(out).backward()
+    weighted_loss(out).backward()
     owner = model.module if isinstance(model, fxpipe.Pipeline) else model
     leaves = [t.detach() if isinstance(t, torch.Tensor) else t for t in tree_flatten(out)[0]]
     return leaves, {n: p.grad for n, p in owner.named_parameters()}
@@ -58,8 +34,9 @@ def _run(model: nn.Module, args: Any, kwargs: Any) -> tuple[list[Any], dict[str,
 )
 def test_compiled_zoo_model_equals_eager(name: str) -> None:
     case = ZOO[name]
-    model, twin = _prepared(case), _prepared(case)
-    args, kwargs = _example(case)
+    train = "batchnorm" not in case.tags
+    model, twin = prepared(case, train, torch.float64), prepared(case, train, torch.float64)
+    args, kwargs = example_in(case, torch.float64)
     pipe = fxpipe.pipeline(
         model, args, ["cpu", "cpu"], example_kwargs=kwargs, chunks=2, cost="flops",
         tracer=case.tracer, compile={"backend": "aot_eager"},

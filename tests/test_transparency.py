@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 from models import ZOO, Case
-from oracle import relative_error
+from oracle import example_in, prepared, relative_error, weighted_loss
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.api import Compiled, compile_model
 from fxpipe.options import PlanOptions, RunOptions
@@ -49,8 +49,8 @@ def _compiled(
 ) -> tuple[nn.Module, Compiled, nn.Module]:
     """A model, its compiled program over k CPU stages, and an untouched eager twin."""
     case = ZOO[name]
-    model, twin = _prepared(case, train, dtype), _prepared(case, train, dtype)
-    args, kwargs = _example(case, dtype)
+    model, twin = prepared(case, train, dtype), prepared(case, train, dtype)
+    args, kwargs = example_in(case, dtype)
     compiled = compile_model(
         model,
         args,
@@ -59,33 +59,6 @@ def _compiled(
         example_kwargs=kwargs,
     )
     return model, compiled, twin
-
-
-def _example(case: Case, dtype: torch.dtype) -> tuple[Any, Any]:
-    return tree_map(
-        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-        case.example(case.batch),
-    )
-
-
-def _prepared(case: Case, train: bool, dtype: torch.dtype) -> nn.Module:
-    model = case.build().to(dtype)
-    model.train(train)
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-    return model
-
-
-def _loss(out: Any) -> torch.Tensor:
-    """A loss that reaches every floating-point output, with fixed per-element weights."""
-    leaves, _ = tree_flatten(out)
-    total = torch.zeros((), dtype=torch.float64)
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            weights = torch.linspace(-1.0, 1.0, t.numel(), dtype=t.dtype).reshape(t.shape)
-            total = total + (t * weights).sum()
-    return total
 
 
 #: Eager's output leaves, their structure and each parameter's gradient, by name.
@@ -97,16 +70,16 @@ def _reference(name: str, train: bool, dtype: torch.dtype = torch.float64) -> Ea
     """Eager PyTorch's outputs and gradients on a fresh model, once per model and mode: every
     pipeline of the sweep is compared with the same run."""
     case = ZOO[name]
-    return _eager(_prepared(case, train, dtype), case)
+    return _eager(prepared(case, train, dtype), case)
 
 
 def _eager(twin: nn.Module, case: Case) -> Eager:
     """The twin's output leaves and their structure, and each parameter's gradient."""
     for p in twin.parameters():
         p.grad = None
-    args, kwargs = _example(case, next(twin.parameters()).dtype)
+    args, kwargs = example_in(case, next(twin.parameters()).dtype)
     out = twin(*args, **kwargs)
-    _loss(out).backward()
+    weighted_loss(out).backward()
     leaves, spec = tree_flatten(out)
     return [_detached(t) for t in leaves], spec, {n: p.grad for n, p in twin.named_parameters()}
 
@@ -118,7 +91,7 @@ def _detached(value: Any) -> Any:
 def _check(model: nn.Module, want: Eager, pipe: Pipeline, case: Case, tol: float = 1e-10) -> None:
     for p in model.parameters():
         p.grad = None
-    args, kwargs = _example(case, next(model.parameters()).dtype)
+    args, kwargs = example_in(case, next(model.parameters()).dtype)
     got = pipe(*args, **kwargs)
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec, want_grads = want
@@ -128,7 +101,7 @@ def _check(model: nn.Module, want: Eager, pipe: Pipeline, case: Case, tol: float
             assert relative_error(g, w) < tol
         else:
             assert torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w
-    _loss(got).backward()
+    weighted_loss(got).backward()
     for name, p in model.named_parameters():
         ref = want_grads[name]
         if ref is None:
@@ -179,13 +152,13 @@ def test_float32_gradient_within_contract(name: str) -> None:
     model, compiled, twin = _compiled(name, 2, "batchnorm" not in case.tags, torch.float32)
     pipe = compiled.pipeline(model, RunOptions(chunks=4, checkpoint="except_last"))
     pipe.use_threads = True  # the worker-thread path several devices take
-    args, kwargs = _example(case, torch.float32)
+    args, kwargs = example_in(case, torch.float32)
     got, want = pipe(*args, **kwargs), twin(*args, **kwargs)
     for g, w in zip(tree_flatten(got)[0], tree_flatten(want)[0], strict=True):
         if isinstance(w, torch.Tensor) and w.is_floating_point():
             assert relative_error(g, w) < 1e-5
-    _loss(got).backward()
-    _loss(want).backward()
+    weighted_loss(got).backward()
+    weighted_loss(want).backward()
     named = dict(twin.named_parameters())
     pairs = [(p.grad, named[n].grad) for n, p in model.named_parameters() if p.grad is not None]
     flat_got = torch.cat([g.flatten() for g, _ in pairs])
