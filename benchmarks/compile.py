@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
 from benchmarks.harness.machine import library_versions, usable_cores
+from benchmarks.harness.models.steps import MODELS, Batch, Loss
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.timing import ratio_row, time_interleaved
 
@@ -63,99 +63,7 @@ from benchmarks.harness.timing import ratio_row, time_interleaved
 OVER_PIPELINE = 0.85
 OVER_COMPILED_MODEL = 1.05
 MODELS_AT_TARGET = 2
-BATCH, CHUNKS, LENGTH = 16, 4, 64
-
-Batch = tuple[tuple[Any, ...], dict[str, Any]]
-Loss = Callable[[Any], torch.Tensor]
-
-
-class _Block(nn.Module):
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.skip = (
-            nn.Identity()
-            if stride == 1 and c_in == c_out
-            else nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
-            )
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(h)) + self.skip(x))
-
-
-class SmallResNet(nn.Module):
-    """Four residual blocks of 3x3 convolutions, BatchNorm and ReLU over 32x32 images."""
-
-    def __init__(self, width: int = 32, classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width))
-        self.blocks = nn.Sequential(
-            _Block(width, width, 1),
-            _Block(width, 2 * width, 2),
-            _Block(2 * width, 2 * width, 1),
-            _Block(2 * width, 4 * width, 2),
-        )
-        self.head = nn.Linear(4 * width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.blocks(F.relu(self.stem(x)))
-        return self.head(h.mean(dim=(2, 3)))
-
-
-def _cnn() -> tuple[nn.Module, Batch, Loss]:
-    # a cross-entropy against class 0: no labels to split with the micro-batches by hand
-    return SmallResNet(), ((torch.randn(BATCH, 3, 32, 32),), {}), _class_zero
-
-
-def _class_zero(out: torch.Tensor) -> torch.Tensor:
-    return (out.logsumexp(dim=-1) - out[:, 0]).mean()
-
-
-def _text_batch(vocab: int, labels: torch.Tensor | None = None) -> dict[str, Any]:
-    ids = torch.randint(1, vocab, (BATCH, LENGTH))
-    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
-    mask[1, LENGTH - 9 :] = 0  # one padded sequence
-    return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "labels": ids.masked_fill(mask == 0, -100) if labels is None else labels,
-    }
-
-
-def _decoder() -> tuple[nn.Module, Batch, Loss]:
-    import transformers
-
-    config = transformers.GPT2Config(
-        n_layer=4, n_embd=128, n_head=4, vocab_size=2000, n_positions=128, use_cache=False,
-        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config), ((), _text_batch(2000)), lambda out: out.loss
-
-
-def _encoder() -> tuple[nn.Module, Batch, Loss]:
-    import transformers
-
-    config = transformers.BertConfig(
-        num_hidden_layers=4, hidden_size=128, intermediate_size=512, num_attention_heads=4,
-        vocab_size=2000, max_position_embeddings=128, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, pad_token_id=0, num_labels=4,
-    )  # fmt: skip
-    batch = _text_batch(2000, labels=torch.randint(0, 4, (BATCH,)))
-    model = transformers.BertForSequenceClassification(config)
-    return model, ((), batch), lambda out: out.loss
-
-
-MODELS: dict[str, Callable[[], tuple[nn.Module, Batch, Loss]]] = {
-    "cnn": _cnn,
-    "decoder": _decoder,
-    "encoder": _encoder,
-}
+CHUNKS = 4
 
 
 def _on(value: Any, device: torch.device) -> Any:

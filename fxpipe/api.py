@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -27,7 +28,8 @@ from fxpipe.devices.speeds import device_kind, kind_speeds
 from fxpipe.devices.targets import device_capacity, normalize_devices
 from fxpipe.errors import ChunksWarning, ConfigError, DeviceError
 from fxpipe.ir import (
-    CheckpointMode,
+    LEAST_RECOMPUTATION_FIRST,
+    Checkpoints,
     CostMode,
     CostTable,
     PipelinePlan,
@@ -36,7 +38,14 @@ from fxpipe.ir import (
     TracerName,
 )
 from fxpipe.model_state import preserved
-from fxpipe.options import CompileChoice, PlanOptions, RunOptions
+from fxpipe.options import (
+    CheckpointChoice,
+    ChunksChoice,
+    CompileChoice,
+    PlanOptions,
+    RunOptions,
+)
+from fxpipe.passes.configure.choose import choose_configuration, chunk_counts
 from fxpipe.passes.partition.cost_graph import replicate_shared_weights, to_networkx
 from fxpipe.passes.partition.memory import memory_model
 from fxpipe.passes.partition.search import Partition, partition_graph
@@ -78,11 +87,16 @@ class Compiled:
         if options is not None:
             follow = functools.partial(_follow, model, self, options)
         plan = self.plan
+        checkpoint: Checkpoints
+        if run.checkpoint == "auto":  # the plan's choice, per stage
+            modes = plan.checkpoint_modes
+            checkpoint = modes[0] if len(set(modes)) == 1 else modes
+            run = dataclasses.replace(run, checkpoint=checkpoint)
+        else:
+            checkpoint = run.checkpoint
         chunks = min(run.chunks, plan.costs.batch_size) if run.chunks else plan.chunks
         overflow = (  # planned for inference: what training would need, where it would not fit
-            {}
-            if plan.training
-            else training_overflow(plan, chunks=chunks, checkpoint=run.checkpoint)
+            {} if plan.training else training_overflow(plan, chunks=chunks, checkpoint=checkpoint)
         )
         return Pipeline(model, self.traced, plan, self.program, run, follow, overflow)
 
@@ -95,7 +109,8 @@ def plan(
     cost: CostMode | Callable[[fx.Node], float] = "auto",
     tracer: TracerName = "auto",
     example_kwargs: Mapping[str, Any] | None = None,
-    chunks: int | None = None,
+    chunks: ChunksChoice = None,
+    checkpoint: CheckpointChoice = "except_last",
     slack: float = 0.0,
     max_memory: MaxMemory = None,
     speed: Speed = None,
@@ -125,7 +140,12 @@ def plan(
             (default: fx, then export where fx fails).
         example_kwargs: keyword arguments of the example call (``{"mask": m}``).
         chunks: micro-batches per batch that the memory estimates and the predicted bubble
-            assume (default: 4 x stages, at most the batch size).
+            assume (default: 4 x stages, at most the batch size); ``"auto"``: the count
+            with the least predicted step that fits (``plan.configurations()`` lists what
+            was weighed).
+        checkpoint: the checkpoint mode the training memory estimates assume: one for
+            every stage (``"always"``, ``"except_last"``, ``"never"``), one per stage (a
+            list), or ``"auto"``: per stage, the least recomputation that fits.
         slack: how far (a fraction: 0.01 = 1%) the bottleneck may grow above the best where
             that sends fewer bytes between stages; 0 (default) keeps the best bottleneck,
             with the fewest bytes among the splits that reach it.
@@ -158,6 +178,7 @@ def plan(
         cost=cost,
         tracer=tracer,
         chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
         slack=slack,
         max_memory=max_memory,
         speed=speed,
@@ -173,8 +194,8 @@ def pipeline(
     example_input: Any,
     devices: Sequence[str | int | torch.device],
     *,
-    chunks: int | None = None,
-    checkpoint: CheckpointMode = "except_last",
+    chunks: ChunksChoice = None,
+    checkpoint: CheckpointChoice = "except_last",
     cost: CostMode | Callable[[fx.Node], float] = "auto",
     tracer: TracerName = "auto",
     example_kwargs: Mapping[str, Any] | None = None,
@@ -202,10 +223,14 @@ def pipeline(
         devices: one entry per stage, in pipeline order: ``"cuda:1"``, ``1`` (a CUDA
             index), ``"cpu"`` or a ``torch.device``; repeats are allowed (``["cpu"] * 4``).
         chunks: micro-batches per batch (default: 4 x stages, at most the batch size);
-            batches that do not divide evenly, or are smaller, still work.
+            batches that do not divide evenly, or are smaller, still work. ``"auto"``:
+            the count (1, 2, 4, ... 32, the default) whose configuration has the least
+            predicted step time and fits ``max_memory`` (``plan.configurations()``).
         checkpoint: which micro-batches each stage recomputes in backward instead of
             keeping their activations: ``"always"``, ``"except_last"`` (default: all but
-            the last) or ``"never"``; nothing is checkpointed in eval mode or under
+            the last) or ``"never"``; or one of them per stage (a list, in stage order);
+            or ``"auto"``: per stage, the least recomputation that fits ``max_memory``
+            (the predicted step decides). Nothing is checkpointed in eval mode or under
             ``torch.no_grad()``.
         cost: how each node is priced: ``"roofline"`` estimates its forward and backward
             seconds from its FLOPs and bytes on a reference device (runs nothing),
@@ -274,7 +299,7 @@ def pipeline(
         cost=cost,
         tracer=tracer,
         chunks=chunks,
-        checkpoint=checkpoint,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
         slack=slack,
         max_memory=max_memory,
         speed=speed,
@@ -301,6 +326,12 @@ def compile_model(
     """Trace, price, partition and split; the steps of :func:`pipeline` before any device
     work. ``present``: the devices must exist here (False for a plan only)."""
     targets = normalize_devices(devices, require_present=present)
+    if isinstance(options.checkpoint, tuple) and len(options.checkpoint) != len(targets):
+        raise ConfigError(
+            f"checkpoint={list(options.checkpoint)!r} has {len(options.checkpoint)} modes but "
+            f"there are {len(targets)} stages (devices={[str(d) for d in targets]}); give one "
+            "mode per stage, one mode for all, or 'auto'"
+        )
     capacity = device_capacity(targets)
     budgets = stage_budgets(parse_max_memory(options.max_memory), targets, capacity)
     speeds = stage_speeds(parse_speed(options.speed), targets)
@@ -364,10 +395,11 @@ def _compile_traced(
     speeds: tuple[float, ...] | None,
     options: PlanOptions,
 ) -> Compiled:
-    """Price, partition and split a traced model."""
+    """Price, partition and split a traced model; with ``chunks="auto"`` or
+    ``checkpoint="auto"``, for each configuration weighed (:mod:`fxpipe.passes.configure`)."""
     pricing = options.pricing()
     micro_batches = options.micro_batches(len(targets), batch)
-    if options.chunks is not None and options.chunks > batch:
+    if isinstance(options.chunks, int) and options.chunks > batch:
         warnings.warn(
             f"chunks={options.chunks} is more than the example batch's {batch} samples: it "
             f"runs as {batch} micro-batches of one sample (a micro-batch is never empty); "
@@ -376,39 +408,54 @@ def _compile_traced(
             stacklevel=4,
         )
     training = model.training and torch.is_grad_enabled()  # else: memory for inference
-    costs, speeds = _price(model, traced, targets, pricing, micro_batches, speeds)
-    with phase("partition", f"{len(targets)} stages"):
-        g = to_networkx(traced.graph_module, costs)
-        memory = memory_model(
-            traced.graph_module,
-            costs,
-            targets,
-            budgets,
-            chunks=micro_batches,
-            checkpoint=options.checkpoint,
-            training=training,
-        )
-        parts = partition_graph(
-            g,
-            len(targets),
-            slack=options.slack,
-            traffic=options.traffic,
-            speed=speeds,
-            memory=memory,
-        )
+    gm, k = traced.graph_module, len(targets)
+    priced: dict[int, tuple[CostTable, tuple[float, ...] | None]] = {}
+    found: dict[tuple[int, Any], Partition] = {}
+
+    def planner(
+        chunks: int, checkpoint: Checkpoints, keep: Mapping[str, int] | None
+    ) -> PipelinePlan:
+        if chunks not in priced:
+            priced[chunks] = _price(model, traced, targets, pricing, chunks, speeds)
+        costs, speed = priced[chunks]
+        with phase("partition", f"{k} stages, chunks={chunks}, checkpoint={checkpoint!r}"):
+            g = to_networkx(gm, costs)
+            memory = memory_model(gm, costs, targets, budgets, chunks=chunks,
+                                  checkpoint=checkpoint, training=training)  # fmt: skip
+            if keep is not None:  # the split of an earlier configuration, modes changed
+                parts = next(p for p in found.values() if p.stage_of == keep)
+            else:
+                key = (chunks, None if memory is None else checkpoint)
+                if key not in found:
+                    found[key] = partition_graph(
+                        g, k, slack=options.slack, traffic=options.traffic, speed=speed,
+                        memory=memory,
+                    )  # fmt: skip
+                parts = found[key]
+        return build_plan(
+            gm, costs, g, parts, targets, chunks=chunks, checkpoint=checkpoint,
+            capacity=budgets, speeds=speed, training=training,
+        )  # fmt: skip
+
+    if options.automatic:
+        counts = [micro_batches]
+        if options.chunks == "auto":
+            counts = chunk_counts(batch, k, micro_batches)
+        modes: list[Checkpoints] = ["never"]  # inference recomputes nothing
+        if options.checkpoint != "auto":
+            modes = [options.checkpoint]
+        elif training:
+            modes = list(LEAST_RECOMPUTATION_FIRST)
+        searched = f"chunks={options.chunks!r}, checkpoint={options.checkpoint!r}"
+        with phase("configure", searched):
+            the_plan = choose_configuration(
+                planner, counts, modes, stages=k, per_stage=options.checkpoint == "auto",
+                searched=searched,
+            )  # fmt: skip
+    else:
+        checkpoint: Checkpoints = options.checkpoint  # type: ignore[assignment]
+        the_plan = planner(micro_batches, checkpoint, None)
     with phase("split", "stage modules"):
-        the_plan = build_plan(
-            traced.graph_module,
-            costs,
-            g,
-            parts,
-            targets,
-            chunks=micro_batches,
-            checkpoint=options.checkpoint,
-            capacity=budgets,
-            speeds=speeds,
-            training=training,
-        )
         program = split_stages(the_plan, traced.output_spec, traffic=options.traffic)
     return Compiled(traced, the_plan, program)
 
@@ -510,7 +557,7 @@ def _follow(
                     Partition(stage_of, 0.0, "follow", 0.0, options.traffic),
                     plan.devices,
                     chunks=plan.chunks,
-                    checkpoint=options.checkpoint,
+                    checkpoint=plan.checkpoint_modes,
                     speeds=plan.speeds or None,
                     training=model.training and torch.is_grad_enabled(),
                 )

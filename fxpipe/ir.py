@@ -34,11 +34,16 @@ __all__ = [
     "Join",
     "RECOMPUTE",
     "CheckpointMode",
+    "Checkpoints",
+    "Configuration",
+    "ConfigurationTable",
     "CostMode",
     "PricingMode",
     "TracerName",
     "Traffic",
     "CHECKPOINT_MODES",
+    "LEAST_RECOMPUTATION_FIRST",
+    "SECONDS_PRICING",
     "COST_MODES",
     "PRICING_MODES",
     "TRACERS",
@@ -49,6 +54,8 @@ __all__ = [
 #: Which micro-batches a stage checkpoints in training (recomputing their forward in
 #: backward instead of keeping activations): all, all but the last, or none.
 CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
+#: One mode for every stage, or one per stage (in stage order).
+Checkpoints: TypeAlias = CheckpointMode | tuple[CheckpointMode, ...]
 #: How nodes are priced: "roofline" estimates seconds from FLOPs and bytes on a reference
 #: device, "time" profiles forward and backward, "flops" counts analytic FLOPs on fake
 #: tensors, "params" weighs parameter bytes; "auto" lets fxpipe pick for the devices.
@@ -63,8 +70,12 @@ Traffic: TypeAlias = Literal["direct", "relay"]
 
 #: The choices of each option, in one place (``fxpipe.options`` checks against them).
 CHECKPOINT_MODES: tuple[CheckpointMode, ...] = get_args(CheckpointMode)
+#: The checkpoint modes, least recomputation first.
+LEAST_RECOMPUTATION_FIRST: tuple[CheckpointMode, ...] = CHECKPOINT_MODES[::-1]
 COST_MODES: tuple[CostMode, ...] = get_args(CostMode)
 PRICING_MODES: tuple[PricingMode, ...] = get_args(PricingMode)
+#: The pricing modes whose costs are seconds (a step time can be predicted from them).
+SECONDS_PRICING: tuple[PricingMode, ...] = PRICING_MODES[:2]
 TRACERS: tuple[TracerName, ...] = get_args(TracerName)
 TRAFFIC: tuple[Traffic, ...] = get_args(Traffic)
 
@@ -167,9 +178,14 @@ def show_plans_with(
     summary: Callable[..., str],
     to_dot: Callable[..., str],
     draw: Callable[..., Path],
+    configurations: Callable[..., ConfigurationTable],
+    table: Callable[..., str],
 ) -> None:
-    """Set the functions :class:`PipelinePlan`'s ``summary``, ``to_dot`` and ``draw`` call."""
-    _PLAN_VIEWS.update(summary=summary, to_dot=to_dot, draw=draw)
+    """Set the functions :class:`PipelinePlan`'s ``summary``, ``to_dot``, ``draw`` and
+    ``configurations`` call, and the one :class:`ConfigurationTable` is shown with."""
+    _PLAN_VIEWS.update(
+        summary=summary, to_dot=to_dot, draw=draw, configurations=configurations, table=table
+    )
 
 
 def _shown_by(name: str) -> Callable[..., Any]:
@@ -177,6 +193,63 @@ def _shown_by(name: str) -> Callable[..., Any]:
     if view is None:
         raise RuntimeError(f"no view of plans is set for {name!r}: import fxpipe first")
     return view
+
+
+@dataclass(frozen=True, slots=True)
+class Configuration:
+    """One configuration of a run the planner weighed: its micro-batches, each stage's
+    checkpoint mode, and what the cost model predicts for one step."""
+
+    chunks: int
+    #: The checkpoint mode of each stage.
+    checkpoint: tuple[CheckpointMode, ...]
+    #: Predicted seconds of one step (forward and backward in training); None where no
+    #: split fits the memory budgets.
+    step: float | None
+    #: The parts of ``step``: the stages' work, their recomputation, the time devices
+    #: wait (the bubble, and stages that share a device waiting their turn), the
+    #: runtime's fixed costs per micro-batch and stage.
+    compute: float = 0.0
+    recompute: float = 0.0
+    idle: float = 0.0
+    overhead: float = 0.0
+    #: Estimated bytes per device (``(device, bytes)``, in stage order) of the split found.
+    memory: tuple[tuple[str, int], ...] = ()
+    #: Why it was not kept: the device it does not fit, ... (empty: it fits).
+    refused: str = ""
+    #: How its checkpoint modes were found: one mode for every stage ("global") or the
+    #: least recomputation per stage that fits, on the split of a global mode ("per stage").
+    kind: str = "global"
+
+    @property
+    def fits(self) -> bool:
+        """Whether a split fits the memory budgets in this configuration."""
+        return self.step is not None
+
+    @property
+    def mode(self) -> Checkpoints:
+        """The checkpoint modes as the options spell them: one mode where all stages agree."""
+        modes = set(self.checkpoint)
+        return self.checkpoint[0] if len(modes) == 1 else self.checkpoint
+
+
+@dataclass(frozen=True)
+class ConfigurationTable:
+    """The configurations one plan was chosen from, fastest predicted first."""
+
+    rows: tuple[Configuration, ...]
+    #: The index in ``rows`` of the configuration the plan uses.
+    chosen: int
+    #: What was searched (``"chunks='auto', checkpoint='auto'"``).
+    searched: str = ""
+
+    @property
+    def choice(self) -> Configuration:
+        """The configuration the plan uses."""
+        return self.rows[self.chosen]
+
+    def __str__(self) -> str:
+        return str(_shown_by("table")(self))
 
 
 @dataclass(frozen=True)
@@ -213,11 +286,23 @@ class PipelinePlan:
     #: stashed activations) or an inference call (the model was in eval mode, or grad was
     #: disabled, when it was planned).
     training: bool = True
+    #: The checkpoint mode of each stage the memory estimates assume (empty: not recorded).
+    checkpoints: tuple[CheckpointMode, ...] = ()
+    #: The configurations weighed when it was planned with ``chunks="auto"`` or
+    #: ``checkpoint="auto"`` (None: the configuration was given).
+    weighed: ConfigurationTable | None = None
 
     @property
     def num_stages(self) -> int:
         """How many stages the plan has (one per entry of ``devices``)."""
         return len(self.stages)
+
+    @property
+    def checkpoint_modes(self) -> tuple[CheckpointMode, ...]:
+        """Each stage's checkpoint mode (``"except_last"``, the default, where the plan
+        recorded none)."""
+        default: CheckpointMode = "except_last"
+        return self.checkpoints or (default,) * len(self.stages)
 
     @property
     def total_cost(self) -> float:
@@ -236,6 +321,12 @@ class PipelinePlan:
         busy = total / len(costs)
         bubble = 1.0 - busy / makespan
         return bubble, total / makespan
+
+    def configurations(self) -> ConfigurationTable:
+        """The configurations (micro-batches, checkpointing per stage) the planner weighed,
+        each with its predicted step time and memory, the chosen one marked; for a plan
+        whose configuration was given, that one alone. ``print`` it to read it."""
+        return _shown_by("configurations")(self)  # type: ignore[no-any-return]
 
     def summary(self) -> str:
         """A table a person reads: one row per stage, totals and predictions below."""

@@ -9,9 +9,9 @@ place. The choices themselves are the ``Literal`` types of :mod:`fxpipe.ir`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import torch
 import torch.fx as fx
@@ -22,9 +22,11 @@ from fxpipe.errors import ConfigError
 from fxpipe.ir import (
     CHECKPOINT_MODES,
     COST_MODES,
+    SECONDS_PRICING,
     TRACERS,
     TRAFFIC,
     CheckpointMode,
+    Checkpoints,
     CostMode,
     PricingMode,
     TracerName,
@@ -37,11 +39,20 @@ __all__ = [
     "CompileOptions",
     "CompileChoice",
     "CostChoice",
+    "ChunksChoice",
+    "CheckpointChoice",
     "default_chunks",
+    "check_checkpoint",
 ]
 
 #: A cost mode, or a callable pricing one fx node.
 CostChoice = CostMode | Callable[[fx.Node], float]
+#: Micro-batches per batch: a count, ``"auto"`` (chosen with the split), None (the default).
+ChunksChoice: TypeAlias = int | Literal["auto"] | None
+#: One checkpoint mode for every stage, one per stage, or ``"auto"`` (chosen per stage).
+CheckpointChoice: TypeAlias = CheckpointMode | Literal["auto"] | Sequence[CheckpointMode]
+#: What the options keep of a CheckpointChoice (a sequence as a tuple).
+CheckpointOption: TypeAlias = Checkpoints | Literal["auto"]
 
 
 @dataclass(frozen=True)
@@ -51,10 +62,12 @@ class PlanOptions:
     #: How nodes are priced (see :data:`fxpipe.ir.CostMode`) or a callable.
     cost: CostChoice = "auto"
     tracer: TracerName = "auto"
-    #: Micro-batches per batch that memory estimates and the bubble assume (None: default).
-    chunks: int | None = None
-    #: Which micro-batches are checkpointed in the run the memory estimates are for.
-    checkpoint: CheckpointMode = "except_last"
+    #: Micro-batches per batch that memory estimates and the bubble assume (None: default;
+    #: "auto": the count with the least predicted step that fits).
+    chunks: ChunksChoice = None
+    #: Which micro-batches each stage checkpoints in the run the memory estimates are for:
+    #: one mode, one per stage, or "auto" (the least recomputation that fits, per stage).
+    checkpoint: CheckpointOption = "except_last"
     #: Fraction the bottleneck may grow where that sends fewer bytes between stages.
     slack: float = 0.0
     #: How boundary values travel: straight to every reader, or relayed stage by stage.
@@ -76,8 +89,8 @@ class PlanOptions:
     def __post_init__(self) -> None:
         check_cost(self.cost)
         check_choice("tracer", self.tracer, TRACERS)
-        check_chunks(self.chunks)
-        check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
+        check_chunks(self.chunks, auto=True)
+        object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint, auto=True))
         check_slack(self.slack)
         check_choice("traffic", self.traffic, TRAFFIC)
         object.__setattr__(self, "max_memory", parse_max_memory(self.max_memory))
@@ -86,6 +99,18 @@ class PlanOptions:
             raise ConfigError(f"replicate_weights={self.replicate_weights!r} must be a bool")
         if not isinstance(self.reductions, bool):
             raise ConfigError(f"reductions={self.reductions!r} must be a bool")
+        if self.automatic and (callable(self.cost) or self.pricing() not in SECONDS_PRICING):
+            raise ConfigError(
+                f"chunks={self.chunks!r}, checkpoint={self.checkpoint!r} choose the run by its "
+                f"predicted step time, which cost={self.cost!r} does not give (it is not in "
+                "seconds); use cost='auto' (the roofline) or 'time', or give chunks and "
+                "checkpoint"
+            )
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the run's configuration is chosen with the split (``"auto"``)."""
+        return self.chunks == "auto" or self.checkpoint == "auto"
 
     def pricing(self) -> PricingMode | Callable[[fx.Node], float]:
         """The cost mode the pricing pass runs: ``"auto"`` is the analytic roofline, the same
@@ -94,8 +119,11 @@ class PlanOptions:
 
     def micro_batches(self, stages: int, batch: int) -> int:
         """How many micro-batches the example batch of ``batch`` samples runs as: ``chunks``
-        (at most one per sample), or the default for ``stages`` stages."""
-        return min(self.chunks, batch) if self.chunks else default_chunks(stages, batch)
+        (at most one per sample), or the default for ``stages`` stages (also the first
+        guess of ``"auto"``)."""
+        if isinstance(self.chunks, int):
+            return min(self.chunks, batch)
+        return default_chunks(stages, batch)
 
 
 @dataclass(frozen=True)
@@ -104,7 +132,8 @@ class RunOptions:
 
     #: Micro-batches per batch (None: the plan's).
     chunks: int | None = None
-    checkpoint: CheckpointMode = "except_last"
+    #: One mode, one per stage, or "auto" (the plan's choice).
+    checkpoint: CheckpointOption = "except_last"
     deferred_batch_norm: bool = False
     #: Where outputs are gathered (None: the first tensor argument's device).
     output_device: torch.device | None = None
@@ -113,7 +142,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         check_chunks(self.chunks)
-        check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
+        object.__setattr__(self, "checkpoint", check_checkpoint(self.checkpoint, auto=True))
         if not isinstance(self.deferred_batch_norm, bool):
             raise ConfigError(
                 f"deferred_batch_norm={self.deferred_batch_norm!r} must be True or False"
@@ -124,8 +153,8 @@ class RunOptions:
     @staticmethod
     def of(
         *,
-        chunks: int | None,
-        checkpoint: CheckpointMode,
+        chunks: ChunksChoice,
+        checkpoint: CheckpointChoice,
         deferred_batch_norm: bool,
         output_device: str | int | torch.device | None,
         compile: CompileChoice = False,
@@ -133,7 +162,10 @@ class RunOptions:
         """The record from the public keywords (``output_device`` and ``compile`` parsed)."""
         device = None if output_device is None else parse_device(output_device)
         compiled = CompileOptions.of(compile)
-        return RunOptions(chunks, checkpoint, deferred_batch_norm, device, compiled)
+        check_chunks(chunks, auto=True)
+        count = None if chunks == "auto" else chunks  # "auto": the plan's choice
+        modes = check_checkpoint(checkpoint, auto=True)
+        return RunOptions(count, modes, deferred_batch_norm, device, compiled)
 
 
 #: The modes ``torch.compile`` takes (None: its default).
@@ -232,11 +264,39 @@ def check_cost(cost: object) -> None:
         )
 
 
-def check_chunks(chunks: Any) -> None:
-    """ConfigError unless ``chunks`` is None or a whole number >= 1."""
+def check_chunks(chunks: Any, *, auto: bool = False) -> None:
+    """ConfigError unless ``chunks`` is None, a whole number >= 1 or (with ``auto``)
+    ``"auto"``."""
+    if auto and chunks == "auto":
+        return
     bad = isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1
     if chunks is not None and bad:
-        raise ConfigError(f"chunks={chunks!r} must be a whole number >= 1 (or None for a default)")
+        also = ", 'auto'" if auto else ""
+        raise ConfigError(
+            f"chunks={chunks!r} must be a whole number >= 1 (or None for a default{also})"
+        )
+
+
+def check_checkpoint(checkpoint: Any, *, auto: bool = False) -> Any:
+    """``checkpoint`` as the options keep it: a mode, a tuple of one mode per stage, or
+    (with ``auto``) ``"auto"``; ConfigError for anything else."""
+    choices = (*CHECKPOINT_MODES, "auto") if auto else CHECKPOINT_MODES
+    if isinstance(checkpoint, str):
+        check_choice("checkpoint", checkpoint, choices)
+        return checkpoint
+    if isinstance(checkpoint, Sequence) and checkpoint:
+        modes = tuple(checkpoint)
+        for j, mode in enumerate(modes):
+            if not isinstance(mode, str) or mode not in CHECKPOINT_MODES:
+                raise ConfigError(
+                    f"checkpoint[{j}]={mode!r} is not one of {CHECKPOINT_MODES}; a list gives "
+                    "one of them per stage"
+                )
+        return modes
+    raise ConfigError(
+        f"checkpoint={checkpoint!r} is not one of {choices} or a non-empty list of "
+        f"{CHECKPOINT_MODES}, one per stage; pick one of them"
+    )
 
 
 def check_slack(slack: Any) -> None:

@@ -8,7 +8,7 @@ the model's keys. The stage GraphModules reference the same objects.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,8 +25,8 @@ from fxpipe.errors import (
     PlanError,
 )
 from fxpipe.interop.trainers import DropIn
-from fxpipe.ir import CHECKPOINT_MODES, CheckpointMode, PipelinePlan, StageProgram, ValueRef
-from fxpipe.options import RunOptions, check_choice
+from fxpipe.ir import CheckpointMode, Checkpoints, PipelinePlan, StageProgram, ValueRef
+from fxpipe.options import RunOptions, check_checkpoint
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.compiled import StageCompilation, compile_stages
 from fxpipe.runtime.executor import Executor
@@ -73,7 +73,7 @@ class Pipeline(DropIn):
         self.devices = tuple(plan.devices)
         self.chunks = chunks
         self.output_device = run.output_device
-        self._checkpoint: CheckpointMode = run.checkpoint
+        self._checkpoint: Checkpoints = _stage_modes(run.checkpoint, plan.num_stages)
         self._run_options = run
         self._recorder: RunRecorder = NO_RECORDER
         self._use_threads: bool | None = None
@@ -149,17 +149,18 @@ class Pipeline(DropIn):
         return self._program.modules
 
     @property
-    def checkpoint(self) -> CheckpointMode:
+    def checkpoint(self) -> Checkpoints:
         """Which micro-batches each stage recomputes in backward (``"always"``,
-        ``"except_last"`` or ``"never"``); settable, it applies from the next call."""
+        ``"except_last"`` or ``"never"``; a tuple of one per stage where they differ);
+        settable to a mode or one per stage, it applies from the next call."""
         return self._checkpoint
 
     @checkpoint.setter
-    def checkpoint(self, mode: CheckpointMode) -> None:
-        check_choice("checkpoint", mode, CHECKPOINT_MODES)
-        self._checkpoint = mode
+    def checkpoint(self, mode: CheckpointMode | Sequence[CheckpointMode]) -> None:
+        modes = _stage_modes(check_checkpoint(mode), self.plan.num_stages)
+        self._checkpoint = modes
         for variant in self._variants.all:
-            variant.executor.checkpoint = mode
+            variant.executor.checkpoint = modes
 
     @property
     def use_threads(self) -> bool:
@@ -375,6 +376,20 @@ def _first_device(values: tuple[Any, ...]) -> torch.device:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     raise InputError("the call has no tensor argument; pass the batched tensor inputs")
+
+
+def _stage_modes(checkpoint: Any, stages: int) -> Checkpoints:
+    """``checkpoint`` (a mode, or one per stage) as the pipeline keeps it: one mode where
+    every stage has the same; ConfigError for a count of modes that is not ``stages``."""
+    if isinstance(checkpoint, str):
+        return checkpoint  # type: ignore[return-value]
+    modes = tuple(checkpoint)
+    if len(modes) != stages:
+        raise ConfigError(
+            f"checkpoint={list(modes)!r} has {len(modes)} modes for {stages} stages; give one "
+            "mode per stage, or one mode for all"
+        )
+    return modes[0] if len(set(modes)) == 1 else modes
 
 
 def _place_parameters(

@@ -104,7 +104,7 @@ from fxpipe.distributed.options import (
     stage_ranks,
 )
 from fxpipe.errors import PlanError
-from fxpipe.ir import CostTable, PipelinePlan, PricingMode, TracerName
+from fxpipe.ir import CheckpointMode, CostTable, PipelinePlan, PricingMode, TracerName
 from fxpipe.model_state import preserved
 from fxpipe.passes.partition.cost_graph import (
     replicate_shared_weights,
@@ -282,7 +282,7 @@ def _costs(
     )
 
 
-def stage_split(priced: Priced, k: int, checkpoint: str, slack: float) -> Split | None:
+def stage_split(priced: Priced, k: int, checkpoint: CheckpointMode, slack: float) -> Split | None:
     """The plan of ``k`` stages (None when the graph cannot be cut into that many)."""
     try:
         part = partition_graph(priced.graph, k, slack=slack, traffic="relay")

@@ -24,7 +24,7 @@ from torch import nn
 
 from fxpipe.devices.targets import same_device
 from fxpipe.errors import ConfigError, DeviceError
-from fxpipe.ir import CheckpointMode
+from fxpipe.ir import Checkpoints
 
 __all__ = ["DropIn", "device_map"]
 
@@ -58,7 +58,7 @@ class DropIn(nn.Module):
 
     module: nn.Module
     devices: tuple[torch.device, ...]
-    checkpoint: CheckpointMode
+    checkpoint: Checkpoints
     #: The pipeline recomputes activations in backward (:meth:`activation_checkpointing_enable`).
     supports_gradient_checkpointing = True
 

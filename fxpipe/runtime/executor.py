@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import ConfigError, InputError, StageError, StageRunError
-from fxpipe.ir import CheckpointMode, StageProgram
+from fxpipe.ir import Checkpoints, StageProgram
 from fxpipe.runtime.batchnorm import DeferredBatchNorm
 from fxpipe.runtime.checkpoint import Checkpointing
 from fxpipe.runtime.copy import copy, wait
@@ -70,11 +70,11 @@ def _float_leaf(x: Any) -> bool:
 class Executor:
     """Runs the stages of a :class:`StageProgram` on ``devices``, GPipe-style.
 
-    ``checkpoint`` is ``"always"``, ``"except_last"`` or ``"never"``: micro-batch ``i`` of a
-    stage is checkpointed when ``i < checkpoint_stop``, which is ``m``, ``m - 1`` or ``0``
-    for ``m`` real micro-batches. Nothing is checkpointed, and no ordering or checkpoint
-    Function is attached, under ``torch.no_grad()``; a stage in eval mode is never
-    checkpointed.
+    ``checkpoint`` is ``"always"``, ``"except_last"`` or ``"never"``, or a tuple of one of
+    them per stage: micro-batch ``i`` of a stage is checkpointed when ``i < checkpoint_stop``,
+    which is ``m``, ``m - 1`` or ``0`` for ``m`` real micro-batches. Nothing is
+    checkpointed, and no ordering or checkpoint Function is attached, under
+    ``torch.no_grad()``; a stage in eval mode is never checkpointed.
     """
 
     #: Told about every run, cell and transfer: a ``Recorder`` times them while one is
@@ -85,7 +85,7 @@ class Executor:
         self,
         program: StageProgram,
         devices: Sequence[torch.device | str | int],
-        checkpoint: CheckpointMode = "except_last",
+        checkpoint: Checkpoints = "except_last",
         *,
         labels: Sequence[str] | None = None,
     ) -> None:
@@ -121,7 +121,8 @@ class Executor:
         """Micro-batches ``i < checkpoint_stop(m, j)`` of stage ``j`` run checkpointed."""
         if not torch.is_grad_enabled() or not self.program.modules[j].training:
             return 0
-        return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+        mode = self.checkpoint if isinstance(self.checkpoint, str) else self.checkpoint[j]
+        return {"always": m, "except_last": m - 1, "never": 0}[mode]
 
     def run(self, batches: Sequence[tuple[Any, ...]], wanted: Sequence[str]) -> list[Env]:
         """Run every micro-batch through every stage; return the ``wanted`` values of each.

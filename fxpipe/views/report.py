@@ -11,6 +11,7 @@ import torch
 from fxpipe.errors import ConfigError
 from fxpipe.passes.ops import module_path
 from fxpipe.passes.partition.cost_graph import batched_nodes, replicated_attrs
+from fxpipe.views.configurations import configuration_notes
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -214,6 +215,7 @@ def _footer(plan: PipelinePlan, capacity: Sequence[int | None]) -> list[str]:
         *speeds,
         f"pipeline:    chunks={plan.chunks}: predicted bubble {100 * bubble:.1f}%, "
         f"speedup {speedup:.2f}x over one device (GPipe, transfers not counted)",
+        *configuration_notes(plan),
         f"boundaries:  {len(plan.edges)} values, {format_bytes(sent)} per batch "
         f"({format_bytes(per_micro)} per micro-batch{once}); in and out are per batch",
         *_replicated_note(plan),

@@ -25,7 +25,7 @@ from fxpipe.runtime.recording import PHASES, Recorder, Span
 from fxpipe.views.report import format_cost
 
 if TYPE_CHECKING:
-    from fxpipe.ir import PipelinePlan
+    from fxpipe.ir import Checkpoints, PipelinePlan
 
 __all__ = ["record", "Timeline", "TaskRecord", "PHASES"]
 
@@ -93,7 +93,7 @@ class Timeline:
         self.plan: PipelinePlan = pipe.plan
         self.devices: tuple[str, ...] = tuple(str(d) for d in pipe.devices)
         self.chunks: int = pipe.chunks
-        self.checkpoint: str = pipe.checkpoint
+        self.checkpoint: Checkpoints = pipe.checkpoint
         self.tasks: list[TaskRecord] = []
         self._pipe = pipe
         self._recorder: Recorder | None = None

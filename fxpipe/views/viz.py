@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from fxpipe.ir import PipelinePlan
+    from fxpipe.ir import Checkpoints, PipelinePlan
 
 __all__ = [
     "MissingDependencyError",
@@ -266,7 +266,7 @@ class Timeline(Protocol):
 
     devices: tuple[str, ...]
     chunks: int
-    checkpoint: str
+    checkpoint: Checkpoints
 
     @property
     def tasks(self) -> Sequence[Any]: ...

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from fxpipe.ir import CheckpointMode, CostTable
+from fxpipe.ir import CheckpointMode, Checkpoints, CostTable
 from fxpipe.passes.ops import held_parameters
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "Spread",
     "Entering",
     "checkpointed",
+    "stage_mode",
     "param_copies",
     "whole_coef",
     "memory_terms",
@@ -82,6 +83,11 @@ def checkpointed(chunks: int, checkpoint: str, *, last: bool) -> int:
     return count
 
 
+def stage_mode(checkpoint: Checkpoints, j: int) -> CheckpointMode:
+    """The checkpoint mode of stage ``j``: the one mode, or the ``j``-th of one per stage."""
+    return checkpoint if isinstance(checkpoint, str) else checkpoint[j]
+
+
 def whole_coef(training: bool) -> float:
     """Copies of a whole value (not cut with the batch) a stage receiving it holds: the
     value, and in training its gradient."""
@@ -116,7 +122,8 @@ class MemoryModel:
     #: The device of each stage position, as text: stages with the same text share a budget.
     devices: tuple[str, ...]
     chunks: int
-    checkpoint: CheckpointMode
+    #: One checkpoint mode for every stage, or one per stage position.
+    checkpoint: Checkpoints
     #: Example batch size the bytes were measured at.
     batch: int
     #: Node name -> bytes it keeps for backward (the non-zero ones).
@@ -141,7 +148,7 @@ def memory_model(
     budgets: Sequence[int | None],
     *,
     chunks: int,
-    checkpoint: CheckpointMode,
+    checkpoint: Checkpoints,
     training: bool = True,
 ) -> MemoryModel | None:
     """What the search needs to keep each device under its budget (training or inference

@@ -13,6 +13,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from fxpipe.ir import LEAST_RECOMPUTATION_FIRST, Checkpoints
 from fxpipe.passes.partition.memory import (
     FIRST_READER,
     FIRST_STAGE,
@@ -25,6 +26,7 @@ from fxpipe.passes.partition.memory import (
     memory_terms,
     param_copies,
     received_on_ideals,
+    stage_mode,
     whole_coef,
 )
 
@@ -42,7 +44,8 @@ class UnitMemory:
 
     k: int
     chunks: int
-    checkpoint: str
+    #: One checkpoint mode for every stage, or one per stage position.
+    checkpoint: Checkpoints
     #: Parameter bytes held by one unit only, per unit.
     param_add: np.ndarray
     #: Saved bytes of one unit only, per unit.
@@ -67,8 +70,15 @@ class UnitMemory:
     def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         """(saved_coef, input_coef) of each stage position."""
         k, training = self.k, self.training
+        checkpoint = self.checkpoint
+        if not isinstance(checkpoint, str) and len(checkpoint) != k:  # a what-if of other k:
+            checkpoint = max(
+                checkpoint, key=LEAST_RECOMPUTATION_FIRST.index
+            )  # the most recomputing mode
         terms = [
-            memory_terms(self.chunks, self.checkpoint, last=j == k - 1, training=training)
+            memory_terms(
+                self.chunks, stage_mode(checkpoint, j), last=j == k - 1, training=training
+            )
             for j in range(k)
         ]
         saved = np.array([s for s, _ in terms]) * self.activations

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.errors import MemoryPlanError
-from fxpipe.ir import BoundaryEdge, CostTable, PipelinePlan, StagePlan
+from fxpipe.ir import BoundaryEdge, CheckpointMode, Checkpoints, CostTable, PipelinePlan, StagePlan
 from fxpipe.passes.ops import held_parameters, module_path
 from fxpipe.passes.partition.cost_graph import batched_nodes, replicated_attrs
 from fxpipe.passes.partition.memory import (
@@ -33,6 +33,7 @@ from fxpipe.passes.partition.search import Partition
 __all__ = [
     "build_plan",
     "stage_memory",
+    "stage_modes",
     "stage_parameters",
     "training_overflow",
     "PARAM_COPIES",
@@ -47,7 +48,7 @@ def build_plan(
     devices: Sequence[torch.device],
     *,
     chunks: int,
-    checkpoint: str = "except_last",
+    checkpoint: Checkpoints = "except_last",
     capacity: Sequence[int | None] | None = None,
     speeds: Sequence[float] | None = None,
     training: bool = True,
@@ -55,8 +56,10 @@ def build_plan(
     """The plan of ``partition``; raises MemoryPlanError when a stage cannot fit its device
     (``capacity[j]`` bytes; ``None`` means unknown and is not checked). ``speeds[j]``: the
     relative speed of ``devices[j]``; a stage's cost is its nodes' cost divided by it.
-    ``training``: estimate training memory (else inference: weights once, one micro-batch)."""
+    ``checkpoint``: one mode for every stage or one per stage. ``training``: estimate
+    training memory (else inference: weights once, one micro-batch)."""
     k = len(devices)
+    modes = stage_modes(checkpoint, k)
     speed = [1.0] * k if speeds is None else [float(v) for v in speeds]
     stage_of = partition.stage_of
     names = [n.name for n in gm.graph.nodes]
@@ -83,12 +86,12 @@ def build_plan(
             span=_span(gm, nodes),
         )
         memory = stage_memory(
-            stage, costs, chunks=chunks, checkpoint=checkpoint, last=j == k - 1,
+            stage, costs, chunks=chunks, checkpoint=modes[j], last=j == k - 1,
             training=training, batched=batched,
         )  # fmt: skip
         stages.append(_with_memory(stage, memory))
     if capacity is not None:
-        _check_fits(stages, capacity, chunks, training)
+        _check_fits(stages, capacity, chunks, training, checkpoint)
     node_cost = {n: costs.nodes[n].cost for n in names}
     total = sum(node_cost.values())
     if speeds is None:
@@ -111,7 +114,17 @@ def build_plan(
         info=info,
         speeds=() if speeds is None else tuple(speed),
         training=training,
+        checkpoints=modes,
     )
+
+
+def stage_modes(checkpoint: Checkpoints, k: int) -> tuple[CheckpointMode, ...]:
+    """One checkpoint mode per stage of ``k``: the one mode repeated, or the ``k`` given."""
+    if isinstance(checkpoint, str):
+        return (checkpoint,) * k
+    if len(checkpoint) != k:
+        raise AssertionError(f"{len(checkpoint)} checkpoint modes for {k} stages")
+    return tuple(checkpoint)
 
 
 def _stage_cost(costs: CostTable, nodes: tuple[str, ...], speed: float) -> float:
@@ -188,15 +201,16 @@ def stage_memory(
 
 
 def training_overflow(
-    plan: PipelinePlan, *, chunks: int, checkpoint: str
+    plan: PipelinePlan, *, chunks: int, checkpoint: Checkpoints
 ) -> dict[str, tuple[int, int]]:
     """Device -> (bytes its stages need in training, its capacity), for each device the
     plan's stages would not fit in training (empty when they fit or nothing is known)."""
     k = plan.num_stages
     batched = batched_nodes(plan.graph_module)
+    modes = stage_modes(checkpoint, k)
     memory = [
         stage_memory(
-            s, plan.costs, chunks=chunks, checkpoint=checkpoint, last=s.index == k - 1,
+            s, plan.costs, chunks=chunks, checkpoint=modes[s.index], last=s.index == k - 1,
             batched=batched,
         )
         for s in plan.stages
@@ -225,7 +239,11 @@ def _with_memory(stage: StagePlan, memory: int) -> StagePlan:
 
 
 def _check_fits(
-    stages: list[StagePlan], capacity: Sequence[int | None], chunks: int, training: bool
+    stages: list[StagePlan],
+    capacity: Sequence[int | None],
+    chunks: int,
+    training: bool,
+    checkpoint: Checkpoints,
 ) -> None:
     """Stages that share a device share its memory: check each device's total."""
     over = _overflow(stages, [s.memory_bytes for s in stages], capacity)
@@ -241,7 +259,8 @@ def _check_fits(
     else:
         remedy = "add devices, more chunks, or a smaller batch"
     raise MemoryPlanError(
-        f"the plan does not fit in device memory with chunks={chunks} ({ESTIMATE[training]}):"
+        f"the plan does not fit in device memory with chunks={chunks}, "
+        f"checkpoint={checkpoint!r} ({ESTIMATE[training]}):"
         f"\n{rows}\nremedy: {remedy}"
     )
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 RECOMPUTED = {"always": CHUNKS, "except_last": CHUNKS - 1, "never": 0}
 
 
-def _pipe(checkpoint: str, model: torch.nn.Module | None = None) -> fxpipe.Pipeline:
+def _pipe(checkpoint: Any, model: torch.nn.Module | None = None) -> fxpipe.Pipeline:
     case = ZOO["mlp_residual"]
     (x,), _ = case.example(BATCH)
     return fxpipe.pipeline(
@@ -72,6 +72,14 @@ def test_training_step_records_every_task_in_order(checkpoint: str) -> None:
             assert t.start >= bwd[(i + 1, j)].end  # reverse micro-batch order per stage
         if (i, j) in rec:
             assert fwd[(i, j)].end <= rec[(i, j)].start <= rec[(i, j)].end <= t.start
+
+
+def test_per_stage_modes_recompute_only_their_stages() -> None:
+    modes = ("never", "always", "except_last")
+    tl, _ = _step(_pipe(list(modes)))
+    recomputed = Counter(t.j for t in tl.tasks if t.phase == "recompute")
+    assert recomputed == Counter({1: CHUNKS, 2: CHUNKS - 1})
+    assert tl.checkpoint == modes and str(modes) in tl.summary()
 
 
 def test_recording_keeps_outputs_and_gradients() -> None:

@@ -1,0 +1,343 @@
+"""Automatic configuration: ``chunks="auto"``, ``checkpoint="auto"`` against every
+configuration of a grid, each measured the same way in one run, at a loose and a tight
+memory budget.
+
+Run from the repository root::
+
+    python -m benchmarks.autoconfig [--out PATH] [--repeats N] [--models a,b] [--calibrate]
+
+Per model (a ResNet-like CNN, a U-Net, a GPT-2 decoder, a BERT encoder, and a residual MLP
+on a large batch: large activations, small weights), 4 stages on the CPU:
+
+1. The memory fxpipe estimates for every global configuration of the grid (chunks 1, 2, 4,
+   8, 16, 32, at most the batch; checkpoint ``never``, ``except_last``, ``always``) gives
+   the *tight* budget: half-way between the least that ``always`` needs (over the counts)
+   and the least that ``except_last`` needs, so that only ``always`` fits as a global mode
+   (``never`` needs more than ``except_last`` at any count). The *loose* budget is the
+   machine's memory (everything fits).
+2. At each budget, a pipeline per configuration of the grid that fits (the planner refuses
+   the others, ``MemoryPlanError``) and one with ``chunks="auto", checkpoint="auto"``, each
+   on its own copy of the model, and one training step of each (forward, the loss,
+   backward) timed round by round, the order flipped every round, one thread
+   (``benchmarks.harness.timing``). Step time: the median over rounds.
+
+Read per model and budget: the automatic configuration's time over the grid's best (target
+<= 1.05 on at least 4 of 5 models, never above 1.15), over the best configuration with
+``checkpoint="always"`` (tight budget: per-stage checkpointing, target <= 0.90 on at least
+2 models), over the default (``chunks=None``, ``except_last``), and its predicted step over
+its measured one (the prediction error). "Fits" is the planner's estimate against the
+budget (how close that estimate is to measured memory: ``benchmarks.runtime``).
+
+``--calibrate`` measures the runtime's fixed costs per cell, per checkpointed cell and per
+step that the prediction uses (``fxpipe.passes.configure.step_time.OVERHEADS``): a model
+of tiny products, so that its compute is negligible, at 1 and 4 stages, 1 and 32
+micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import fxpipe
+from benchmarks.harness.machine import library_versions, usable_cores
+from benchmarks.harness.models.steps import MODELS as STEP_MODELS
+from benchmarks.harness.models.steps import Batch, Loss
+from benchmarks.harness.models.zoo_nets import ResidualMLP, UNet
+from benchmarks.harness.output import command_line, format_table, result_path, save_json
+from benchmarks.harness.timing import time_interleaved
+from fxpipe.errors import ChunksWarning, MemoryPlanError
+
+STAGES = 4
+GRID_CHUNKS = (1, 2, 4, 8, 16, 32)
+MODES = ("never", "except_last", "always")
+AUTO = "auto"
+#: Targets: auto over the grid's best (on MODELS_AT models, and never above NEVER_OVER);
+#: per-stage checkpointing over the best "always" at the tight budget (on PER_STAGE_AT).
+WITHIN, MODELS_AT, NEVER_OVER = 1.05, 4, 1.15
+PER_STAGE, PER_STAGE_AT = 0.90, 2
+
+Build = Callable[[], tuple[nn.Module, Batch, Loss]]
+
+
+def _unet() -> tuple[nn.Module, Batch, Loss]:
+    return UNet(), ((torch.randn(4, 3, 64, 64),), {}), lambda out: out.pow(2).mean()
+
+
+def _activations() -> tuple[nn.Module, Batch, Loss]:
+    """Small weights (about 0.1 M parameters), a large batch: activations dominate."""
+    model = ResidualMLP(d_in=32, width=64, depth=6)
+    return model, ((torch.randn(2048, 32),), {}), lambda out: out.pow(2).mean()
+
+
+MODELS: dict[str, Build] = {
+    "cnn": STEP_MODELS["cnn"],
+    "unet": _unet,
+    "decoder": STEP_MODELS["decoder"],
+    "encoder": STEP_MODELS["encoder"],
+    "activations": _activations,
+}
+
+Config = tuple[Any, Any]  # (chunks, checkpoint)
+
+
+def _label(config: Config) -> str:
+    chunks, checkpoint = config
+    return "auto" if config == (AUTO, AUTO) else f"M={chunks} {checkpoint}"
+
+
+def _batch_size(batch: Batch) -> int:
+    args, kwargs = batch
+    first = next(t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor))
+    return int(first.shape[0])
+
+
+def _pipe(model: nn.Module, batch: Batch, config: Config, budget: int | None) -> fxpipe.Pipeline:
+    args, kwargs = batch
+    chunks, checkpoint = config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ChunksWarning)
+        return fxpipe.pipeline(
+            model, args, ["cpu"] * STAGES, example_kwargs=kwargs, chunks=chunks,
+            checkpoint=checkpoint, max_memory=budget,
+        )  # fmt: skip
+
+
+def _need(model: nn.Module, batch: Batch, config: Config) -> int:
+    """fxpipe's estimate of the device memory of ``config`` (no budget)."""
+    args, kwargs = batch
+    plan = fxpipe.plan(model, args, ["cpu"] * STAGES, example_kwargs=kwargs, chunks=config[0],
+                       checkpoint=config[1])  # fmt: skip
+    return sum(s.memory_bytes for s in plan.stages)
+
+
+def _grid(batch: Batch) -> list[Config]:
+    counts = [c for c in GRID_CHUNKS if c <= _batch_size(batch)]
+    return [(c, m) for c in counts for m in MODES]
+
+
+def _budgets(model: nn.Module, batch: Batch) -> tuple[dict[str, int | None], dict[str, int]]:
+    needs = {_label(c): _need(model, batch, c) for c in _grid(batch)}
+    least = {m: min(v for k, v in needs.items() if k.endswith(" " + m)) for m in MODES}
+    tight = least["always"] + (least["except_last"] - least["always"]) // 2
+    return {"loose": None, "tight": tight}, needs
+
+
+def _measure(
+    name: str, build: Build, budget_name: str, budget: int | None, repeats: int
+) -> dict[str, Any]:
+    model, batch, loss = build()
+    model.train()
+    configs = [*_grid(batch), (AUTO, AUTO)]
+    pipes: dict[str, fxpipe.Pipeline] = {}
+    refused: dict[str, str] = {}
+    for config in configs:
+        try:
+            pipes[_label(config)] = _pipe(copy.deepcopy(model), batch, config, budget)
+        except MemoryPlanError as e:
+            refused[_label(config)] = str(e).splitlines()[0][:100]
+    args, kwargs = batch
+
+    def step(pipe: fxpipe.Pipeline) -> Callable[[], None]:
+        def run() -> None:
+            loss(pipe(*args, **kwargs)).backward()
+
+        return run
+
+    holder = nn.ModuleList(p.module for p in pipes.values())
+    steps = {label: step(pipe) for label, pipe in pipes.items()}
+    times = time_interleaved(holder, steps, repeats, warmup=2, budget_s=90.0)
+    wall = {k: statistics.median(v) for k, v in times["wall"].items()}
+    auto = pipes.get("auto")
+    grid = {k: v for k, v in wall.items() if k != "auto"}
+    best = min(grid, key=grid.__getitem__) if grid else None
+    always = {k: v for k, v in grid.items() if k.endswith(" always")}
+    best_always = min(always, key=always.__getitem__) if always else None
+    default = f"M={min(4 * STAGES, _batch_size(batch))} except_last"
+    row: dict[str, Any] = {
+        "model": name,
+        "budget": budget_name,
+        "budget_bytes": budget,
+        "fits": sorted(pipes),
+        "refused": refused,
+        "step_ms": {k: round(1e3 * v, 3) for k, v in wall.items()},
+        "rounds": len(next(iter(times["wall"].values()))),
+        "best": best,
+        "best_ms": 1e3 * wall[best] if best else None,
+    }
+    if auto is None:
+        row["auto_refused"] = refused.get("auto")
+        return row
+    choice = auto.plan.configurations().choice
+    row.update(
+        auto_choice=f"M={choice.chunks} {_modes(choice.checkpoint)}",
+        auto_ms=1e3 * wall["auto"],
+        auto_over_best=wall["auto"] / wall[best] if best else None,
+        predicted_ms=1e3 * (choice.step or 0.0),
+        prediction_error=(choice.step or 0.0) / wall["auto"] - 1.0,
+        best_always=best_always,
+        auto_over_always=wall["auto"] / wall[best_always] if best_always else None,
+        default=default,
+        auto_over_default=wall["auto"] / wall[default] if default in wall else None,
+        auto_memory_bytes=sum(s.memory_bytes for s in auto.plan.stages),
+        configurations=len(auto.plan.configurations().rows),
+    )
+    return row
+
+
+def _modes(modes: tuple[str, ...]) -> str:
+    if len(set(modes)) == 1:
+        return modes[0]
+    return (
+        "[" + ",".join({"never": "N", "except_last": "E", "always": "A"}[m] for m in modes) + "]"
+    )
+
+
+def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for budget in ("loose", "tight"):
+        ratios = [r["auto_over_best"] for r in rows if r["budget"] == budget and
+                  r.get("auto_over_best") is not None]  # fmt: skip
+        within = sum(x <= WITHIN for x in ratios)
+        worst = max(ratios, default=float("nan"))
+        ok = within >= MODELS_AT and worst <= NEVER_OVER
+        out.append(
+            f"{budget}: auto within {WITHIN - 1:.0%} of the grid's best on {within} of "
+            f"{len(ratios)} models (target >= {MODELS_AT}), worst {worst:.3f} (target <= "
+            f"{NEVER_OVER}): {'PASS' if ok else 'MISS'}"
+        )
+    missing = [f"{r['model']} {r['budget']}" for r in rows if "auto_ms" not in r and r["fits"]]
+    out.append(
+        "auto fits wherever a grid configuration fits: "
+        + ("PASS" if not missing else f"MISS ({', '.join(missing)})")
+    )
+    gains = [r["auto_over_always"] for r in rows if r["budget"] == "tight" and
+             r.get("auto_over_always") is not None]  # fmt: skip
+    met = sum(x <= PER_STAGE for x in gains)
+    out.append(
+        f"tight: auto over the best checkpoint='always' <= {PER_STAGE} on {met} of "
+        f"{len(gains)} models (target >= {PER_STAGE_AT}): "
+        f"{'PASS' if met >= PER_STAGE_AT else 'MISS'}"
+    )
+    errors = ", ".join(f"{r['model']} {r['budget']} {r['prediction_error']:+.0%}"
+                       for r in rows if "prediction_error" in r)  # fmt: skip
+    out.append(f"prediction error of the chosen configuration (predicted/measured - 1): {errors}")
+    return out
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    def ms(key: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: "-" if r.get(key) is None else f"{r[key]:.1f}"
+
+    def ratio(key: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: "-" if r.get(key) is None else f"{r[key]:.3f}"
+
+    columns = [
+        ("model", lambda r: r["model"]),
+        ("budget", lambda r: r["budget"]),
+        ("fit", lambda r: f"{len(r['fits'])}/{len(r['fits']) + len(r['refused'])}"),
+        ("grid best", lambda r: r["best"] or "-"),
+        ("best ms", ms("best_ms")),
+        ("auto chose", lambda r: r.get("auto_choice", "-")),
+        ("auto ms", ms("auto_ms")),
+        ("auto/best", ratio("auto_over_best")),
+        ("auto/always", ratio("auto_over_always")),
+        ("auto/default", ratio("auto_over_default")),
+        ("predicted ms", ms("predicted_ms")),
+        ("rounds", lambda r: str(r["rounds"])),
+    ]
+    print("\none training step, 4 stages on the CPU (median over rounds; ratios of medians)")
+    print(format_table(rows, columns, left=2))
+
+
+# ------------------------------------------------------------------------------ calibrate
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def calibrate(repeats: int) -> dict[str, float]:
+    """Seconds per cell, per checkpointed cell and per step of the runtime (tiny compute)."""
+    x = torch.randn(64, 4)
+    model = _Tiny()
+    variants = {}
+    for k, m, mode in [(1, 1, "never"), (4, 1, "never"), (4, 32, "never"), (4, 32, "always")]:
+        pipe = fxpipe.pipeline(copy.deepcopy(model), x, ["cpu"] * k, chunks=m, checkpoint=mode)
+
+        def run(pipe: fxpipe.Pipeline = pipe) -> None:
+            pipe(x).sum().backward()
+
+        variants[f"{k} {m} {mode}"] = run
+    variants["eager"] = lambda: model(x).sum().backward()
+    times = time_interleaved(model, variants, repeats, budget_s=30.0)
+    t = {k: statistics.median(v) for k, v in times["wall"].items()}
+    cell = (t["4 32 never"] - t["4 1 never"]) / (4 * 31)
+    checkpointed = (t["4 32 always"] - t["4 32 never"]) / (4 * 32)
+    step = t["1 1 never"] - t["eager"] - cell
+    found = {"cell": cell, "checkpointed": checkpointed, "step": step}
+    print("runtime costs (seconds):", {k: f"{v * 1e6:.0f} us" for k, v in found.items()})
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--calibrate", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.time()
+    if args.calibrate:
+        found = calibrate(max(args.repeats, 15))
+        out = Path(args.out) if args.out else result_path("autoconfig_calibration")
+        return save_json(out, {"command": command_line(), "runtime_costs_s": found})
+    rows = []
+    budgets_seen = {}
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        model, batch, _ = MODELS[name]()
+        budgets, needs = _budgets(model, batch)
+        budgets_seen[name] = {"budgets": budgets, "needs": needs}
+        for budget_name, budget in budgets.items():
+            torch.manual_seed(0)
+            rows.append(_measure(name, MODELS[name], budget_name, budget, args.repeats))
+            print(f"{name} {budget_name}: done ({time.time() - started:.0f} s)", flush=True)
+    _print(rows)
+    verdicts = _verdicts(rows)
+    print("\n" + "\n".join(verdicts))
+    payload = {
+        "command": command_line(),
+        "machine": {
+            "platform": platform.platform(),
+            "cores": usable_cores(),
+            **library_versions(("torch", "transformers")),
+        },  # fmt: skip
+        "seconds": round(time.time() - started, 1),
+        "budgets": budgets_seen,
+        "rows": rows,
+        "verdicts": verdicts,
+    }
+    return save_json(Path(args.out) if args.out else result_path("autoconfig"), payload)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The predicted time of one step of a plan: the clock-cycle schedule replayed on its costs.
+
+The single-process runtime runs micro-batch ``i`` of stage ``j`` at clock tick ``i + j``
+(:func:`fxpipe.runtime.schedule.clock_cycles`), every cell of a tick before any cell of the
+next, and backward in the reverse order. A tick lasts as long as its busiest device: cells
+on distinct devices overlap, cells whose stages share a device run one after another. A
+cell of stage ``j`` takes
+
+- forward: ``FORWARD_SHARE`` of the stage's cost, over ``chunks`` (the cost is for the whole
+  batch cut into ``chunks`` micro-batches, so the per-kernel costs of small micro-batches
+  are in it), plus the receipt of its inputs from another device at ``bandwidth``;
+- backward: the rest of the cost, plus the forward again when the cell is checkpointed
+  (``checkpoint`` of the stage: all of its micro-batches, all but the last, or none);
+- the runtime's own costs: ``cell`` seconds per cell (fence, fork and join, the call of a
+  stage module), ``checkpointed`` more for a checkpointed one (saving and restoring the
+  random state, a second graph), and ``step`` seconds per step (cutting and joining).
+
+The runtime's costs are constants per kind of device (:data:`OVERHEADS`), measured on the
+runtime itself (``python -m benchmarks.autoconfig --calibrate``): a stage of one small
+product per cell, 4 stages, 1 to 32 micro-batches; the CUDA ones are the CPU's, the same
+Python work, plus a copy's fixed cost between devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxpipe.ir import CheckpointMode, Configuration, PipelinePlan
+from fxpipe.passes.partition.memory import checkpointed
+
+__all__ = [
+    "FORWARD_SHARE",
+    "Overheads",
+    "OVERHEADS",
+    "overheads_for",
+    "StageTimes",
+    "predict_step",
+    "predict_plan",
+    "device_memory",
+]
+
+#: Share of a node's forward + backward cost its forward takes (a product's backward does
+#: two products for one forward): what a recomputation costs again.
+FORWARD_SHARE = 1.0 / 3.0
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """The runtime's fixed costs on one kind of device, in seconds."""
+
+    #: Per cell (one micro-batch through one stage, forward and backward).
+    cell: float
+    #: More per checkpointed cell.
+    checkpointed: float
+    #: Per step.
+    step: float
+    #: Bytes per second between two devices (infinite: stages on one device share memory).
+    bandwidth: float
+
+
+#: Per kind of device.
+OVERHEADS: dict[str, Overheads] = {
+    "cpu": Overheads(cell=150e-6, checkpointed=250e-6, step=250e-6, bandwidth=float("inf")),
+    "cuda": Overheads(cell=150e-6, checkpointed=250e-6, step=250e-6, bandwidth=20e9),
+}
+
+
+def overheads_for(device_type: str) -> Overheads:
+    """The runtime's costs on a kind of device (a GPU's for any kind but the CPU)."""
+    return OVERHEADS.get(device_type, OVERHEADS["cuda"])
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """What the replay needs of each stage, in stage order."""
+
+    #: Forward + backward seconds of the whole batch.
+    cost: tuple[float, ...]
+    #: The device each stage runs on (stages with equal text share it).
+    device: tuple[str, ...]
+    #: Bytes per batch each stage receives from a stage on another device.
+    received: tuple[float, ...]
+
+
+def predict_step(
+    stages: StageTimes,
+    chunks: int,
+    checkpoint: Sequence[CheckpointMode],
+    *,
+    training: bool,
+    overheads: Overheads,
+) -> Configuration:
+    """The predicted step of ``stages`` run as ``chunks`` micro-batches with ``checkpoint``
+    (one mode per stage), in parts; the memory of the configuration is not filled in."""
+    m, n = max(chunks, 1), len(stages.cost)
+    forward = [c * FORWARD_SHARE / m for c in stages.cost]
+    backward = [c / m - f for c, f in zip(stages.cost, forward, strict=True)]
+    moved = [b / m / overheads.bandwidth for b in stages.received]
+    stops = [checkpointed(m, mode, last=j == n - 1) if training else 0
+             for j, mode in enumerate(checkpoint)]  # fmt: skip
+    half = overheads.cell / 2 if training else overheads.cell
+    ticks = [[(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
+             for k in range(m + n - 1)]  # fmt: skip
+
+    def phase(cell_time: dict[tuple[int, int], float]) -> float:
+        total = 0.0
+        for cells in ticks:
+            busy: dict[str, float] = {}
+            for cell in cells:
+                device = stages.device[cell[1]]
+                busy[device] = busy.get(device, 0.0) + cell_time[cell]
+            total += max(busy.values())
+        return total
+
+    cells = [(i, j) for i in range(m) for j in range(n)]
+    step = phase({(i, j): forward[j] + moved[j] + half for i, j in cells})
+    recompute = overhead = 0.0
+    if training:
+        again = {
+            (i, j): (forward[j] + overheads.checkpointed) if i < stops[j] else 0.0
+            for i, j in cells
+        }
+        step += phase({(i, j): backward[j] + moved[j] + half + again[i, j] for i, j in cells})
+        recompute = sum(forward[j] * stops[j] for j in range(n))
+        overhead = sum(overheads.checkpointed * s for s in stops)
+    step += overheads.step
+    overhead += overheads.cell * m * n + overheads.step
+    devices = max(len(set(stages.device)), 1)
+    compute = sum(stages.cost) if training else sum(forward) * m
+    transfer = sum(moved) * m * (2 if training else 1)
+    busy = (compute + recompute + overhead + transfer) / devices
+    return Configuration(
+        chunks=m,
+        checkpoint=tuple(checkpoint),
+        step=step,
+        compute=compute / devices,
+        recompute=recompute / devices,
+        idle=max(step - busy, 0.0) if step - busy > 1e-9 * step else 0.0,
+        overhead=overhead / devices,
+    )
+
+
+def stage_times(plan: PipelinePlan) -> StageTimes:
+    """The replay's view of ``plan``: stage costs, devices, bytes received across devices."""
+    device = tuple(str(s.device) for s in plan.stages)
+    received = [0.0] * plan.num_stages
+    for e in plan.edges:
+        for j in e.consumers:
+            if device[j] != device[e.producer]:
+                received[j] += e.bytes
+    return StageTimes(tuple(s.cost for s in plan.stages), device, tuple(received))
+
+
+def device_memory(plan: PipelinePlan) -> tuple[tuple[str, int], ...]:
+    """Estimated bytes per device of ``plan`` (stages sharing a device add up), in order."""
+    used: dict[str, int] = {}
+    for s in plan.stages:
+        used[str(s.device)] = used.get(str(s.device), 0) + s.memory_bytes
+    return tuple(used.items())
+
+
+def predict_plan(plan: PipelinePlan, *, kind: str = "global") -> Configuration:
+    """The predicted step of ``plan`` as it was planned (its chunks and checkpoint modes;
+    ``except_last`` where it recorded none), with its memory per device."""
+    found = predict_step(
+        stage_times(plan),
+        plan.chunks,
+        plan.checkpoint_modes,
+        training=plan.training,
+        overheads=overheads_for(plan.devices[0].type),
+    )
+    return Configuration(
+        chunks=found.chunks,
+        checkpoint=found.checkpoint,
+        step=found.step,
+        compute=found.compute,
+        recompute=found.recompute,
+        idle=found.idle,
+        overhead=found.overhead,
+        memory=device_memory(plan),
+        kind=kind,
+    )
