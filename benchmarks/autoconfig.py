@@ -264,9 +264,9 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 class _Tiny(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(8))
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -275,25 +275,32 @@ class _Tiny(nn.Module):
 
 
 def calibrate(repeats: int) -> dict[str, float]:
-    """Seconds per cell, per checkpointed cell and per step of the runtime (tiny compute)."""
+    """The runtime's costs on this CPU, from models of tiny products (compute negligible):
+    per node and micro-batch (forward and backward), per cell beyond its nodes, per
+    checkpointed cell beyond its nodes' second forward, per step."""
     x = torch.randn(64, 4)
-    model = _Tiny()
-    variants = {}
-    for k, m, mode in [(1, 1, "never"), (4, 1, "never"), (4, 32, "never"), (4, 32, "always")]:
-        pipe = fxpipe.pipeline(copy.deepcopy(model), x, ["cpu"] * k, chunks=m, checkpoint=mode)
+    variants: dict[str, Callable[[], None]] = {}
+    for layers in (8, 64):
+        model = _Tiny(layers)
+        for k, m, mode in [(1, 1, "never"), (4, 1, "never"), (4, 32, "never"),
+                           (4, 32, "always")]:  # fmt: skip
+            pipe = fxpipe.pipeline(copy.deepcopy(model), x, ["cpu"] * k, chunks=m,
+                                   checkpoint=mode)  # fmt: skip
 
-        def run(pipe: fxpipe.Pipeline = pipe) -> None:
-            pipe(x).sum().backward()
+            def run(pipe: fxpipe.Pipeline = pipe) -> None:
+                pipe(x).sum().backward()
 
-        variants[f"{k} {m} {mode}"] = run
-    variants["eager"] = lambda: model(x).sum().backward()
-    times = time_interleaved(model, variants, repeats, budget_s=30.0)
+            variants[f"{layers} {k} {m} {mode}"] = run
+        variants[f"{layers} eager"] = lambda model=model: model(x).sum().backward()
+    times = time_interleaved(nn.Module(), variants, repeats, budget_s=60.0)
     t = {k: statistics.median(v) for k, v in times["wall"].items()}
-    cell = (t["4 32 never"] - t["4 1 never"]) / (4 * 31)
-    checkpointed = (t["4 32 always"] - t["4 32 never"]) / (4 * 32)
-    step = t["1 1 never"] - t["eager"] - cell
-    found = {"cell": cell, "checkpointed": checkpointed, "step": step}
-    print("runtime costs (seconds):", {k: f"{v * 1e6:.0f} us" for k, v in found.items()})
+    extra = {n: (t[f"{n} 4 32 never"] - t[f"{n} 4 1 never"]) / 31 for n in (8, 64)}
+    node = (extra[64] - extra[8]) / (2 * (64 - 8))  # two nodes per layer
+    cell = (extra[8] - node * 2 * 8) / 4
+    again = (t["8 4 32 always"] - t["8 4 32 never"]) / (4 * 32) - node * 2 * 8 / 4 / 3
+    step = t["8 1 1 never"] - t["8 eager"] - cell
+    found = {"node": node, "cell": cell, "checkpointed": again, "step": step}
+    print("runtime costs:", {k: f"{v * 1e6:.0f} us" for k, v in found.items()})
     return found
 
 

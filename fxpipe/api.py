@@ -50,6 +50,7 @@ from fxpipe.passes.partition.cost_graph import replicate_shared_weights, to_netw
 from fxpipe.passes.partition.memory import memory_model
 from fxpipe.passes.partition.search import Partition, partition_graph
 from fxpipe.passes.price.estimate import ValueDependentError, borrowed_costs, estimate_costs
+from fxpipe.passes.price.roofline import step_roofline_for
 from fxpipe.passes.split.codegen import split_stages
 from fxpipe.passes.split.follow import follow_borders
 from fxpipe.passes.split.plan import build_plan, training_overflow
@@ -410,7 +411,21 @@ def _compile_traced(
     training = model.training and torch.is_grad_enabled()  # else: memory for inference
     gm, k = traced.graph_module, len(targets)
     priced: dict[int, tuple[CostTable, tuple[float, ...] | None]] = {}
+    timed: dict[int, CostTable | None] = {}
     found: dict[tuple[int, Any], Partition] = {}
+
+    def timing(chunks: int) -> CostTable | None:
+        """The roofline's prices of a whole step at ``chunks`` (None: the plan's own)."""
+        if pricing != "roofline":
+            return None
+        if chunks not in timed:
+            rates = step_roofline_for(targets[0].type)
+            with phase("price", f"a step at chunks={chunks}"), fake_runnable(model):
+                timed[chunks] = estimate_costs(
+                    gm, traced.example_values, mode=pricing, device=targets[0],
+                    micro_batches=chunks, roofline=rates,
+                )  # fmt: skip
+        return timed[chunks]
 
     def planner(
         chunks: int, checkpoint: Checkpoints, keep: Mapping[str, int] | None
@@ -449,7 +464,8 @@ def _compile_traced(
         searched = f"chunks={options.chunks!r}, checkpoint={options.checkpoint!r}"
         with phase("configure", searched):
             the_plan = choose_configuration(
-                planner, counts, modes, stages=k, per_stage=options.checkpoint == "auto",
+                planner, counts, modes, timing=timing, stages=k,
+                per_stage=options.checkpoint == "auto",
                 searched=searched,
             )  # fmt: skip
     else:

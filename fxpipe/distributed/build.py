@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 from fxpipe.api import Compiled, compile_model
 from fxpipe.devices.targets import parse_device
 from fxpipe.distributed.agreement import MeasuredCost, check_agreement, measured_costs
+from fxpipe.distributed.auto import AUTO, choose_schedule
 from fxpipe.distributed.mesh import check_sharding, comm_device, mesh_layout
 from fxpipe.distributed.options import (
     SCHEDULES,
@@ -49,7 +50,7 @@ def pipeline_schedule(
     model: nn.Module,
     example_input: Any,
     *,
-    n_microbatches: int,
+    n_microbatches: int | str,
     loss_fn: Callable[..., torch.Tensor] | None,
     schedule: str = "gpipe",
     example_kwargs: Mapping[str, Any] | None = None,
@@ -86,6 +87,13 @@ def pipeline_schedule(
     device is planned as it is; its rank's stages are then materialised (uninitialised)
     for :meth:`DistributedPipeline.load_stage_state_dict`.
 
+    ``n_microbatches="auto"`` and/or ``schedule="auto"``: the schedule (with its stages per
+    rank, 2 or 4 for a looped one unless ``stages_per_rank`` says) and the micro-batch count
+    (a divisor of the batch's rows) with the least step time fxpipe predicts for these
+    pipeline ranks (:mod:`fxpipe.distributed.auto`, ``fd.suggest_layout``'s model, priced
+    by the roofline of the ranks' device, alike on every rank); what was chosen and from
+    what is ``pipe.schedule_choice``, what runs is ``pipe.options``.
+
     ``cost`` prices the nodes for the split: ``"flops"`` (the default, analytic),
     ``"params"``, a callable ``(node) -> float`` that answers alike on every rank, or
     ``"time"``: group rank 0 profiles every node (forward and backward) on its device and
@@ -114,9 +122,10 @@ def pipeline_schedule(
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
     _check_initialised()
-    options = ScheduleOptions(
-        n_microbatches=n_microbatches,
-        schedule=schedule,
+    asked = (n_microbatches, schedule)
+    options = ScheduleOptions(  # "auto" stands in as GPipe over 1 micro-batch until chosen
+        n_microbatches=1 if n_microbatches == AUTO else n_microbatches,  # type: ignore[arg-type]
+        schedule="gpipe" if schedule == AUTO else schedule,
         stages_per_rank=stages_per_rank,
         num_stages=num_stages,
         cost=cost,
@@ -128,8 +137,9 @@ def pipeline_schedule(
     )
     example = example_input if isinstance(example_input, tuple) else (example_input,)
     return _build(
-        model, (example, dict(example_kwargs or {})), options, loss_fn, group, device, mesh
-    )
+        model, (example, dict(example_kwargs or {})), options, loss_fn, group, device, mesh,
+        asked,
+    )  # fmt: skip
 
 
 def _build(
@@ -140,14 +150,29 @@ def _build(
     group: dist.ProcessGroup | None,
     device: Any,
     mesh: Any,
+    asked: tuple[Any, Any] = (None, None),
 ) -> DistributedPipeline:
     """:func:`pipeline_schedule` once its options are a checked record: the checks that need
-    the group (still before any communication), the plan, the shapes and the agreement."""
+    the group (still before any communication), the choice of what was asked as ``"auto"``
+    (``asked``: the ``n_microbatches`` and ``schedule`` given), the plan, the shapes and
+    the agreement."""
     layout = mesh_layout(mesh, group, options)
+    target = _default_device(layout.pp_group) if device is None else parse_device(device)
+    choice = None
+    if AUTO in asked:
+        pp = dist.get_world_size(layout.pp_group)
+        choice = choose_schedule(model, example, options, pp=pp, n_microbatches=asked[0],
+                                 schedule=asked[1], device=target)  # fmt: skip
+        options = replace(
+            options,
+            schedule=choice.schedule,
+            stages_per_rank=choice.stages_per_rank,
+            n_microbatches=choice.n_microbatches,
+        )
+        layout = mesh_layout(mesh, group, options)
     group = layout.pp_group
     world = dist.get_world_size(group)
     total = options.stage_count(world, mesh=mesh is not None)
-    target = _default_device(group) if device is None else parse_device(device)
     args, kwargs = example
     if _model_device(model).type == "meta":
         _check_not_timed(options.cost)
@@ -174,7 +199,7 @@ def _build(
         program, binder, found, args, kwargs, n_microbatches=options.n_microbatches,
         group=group, device=target, comm=comm_device(group, target),
     )  # fmt: skip
-    return DistributedPipeline(
+    built = DistributedPipeline(
         model,
         plan,
         program,
@@ -189,6 +214,8 @@ def _build(
         step_shapes=sizes,
         whole=whole,
     )
+    built.schedule_choice = choice
+    return built
 
 
 def _plan(

@@ -16,6 +16,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_unflatten
 
+from fxpipe.distributed.auto import ScheduleChoice
 from fxpipe.distributed.checkpoint import (
     load_state,
     optimizer_state,
@@ -51,7 +52,11 @@ class DistributedPipeline:
       ``stage_modules``: their GraphModules; ``stages``: their torch ``PipelineStage``.
     - ``parameters()`` for this rank's optimizer; ``sync_tied_gradients()`` before its step.
     - ``state_dict()`` / ``load_stage_state_dict()``: this rank's shard under the model's keys.
+    - ``schedule_choice``: with ``n_microbatches`` or ``schedule`` ``"auto"``, what was chosen
+      and the layouts it was chosen from (``.summary()``); None when both were given.
     """
+
+    schedule_choice: ScheduleChoice | None = None
 
     def __init__(
         self,

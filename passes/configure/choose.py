@@ -24,12 +24,14 @@ from fxpipe.ir import (
     Checkpoints,
     Configuration,
     ConfigurationTable,
+    CostTable,
     PipelinePlan,
 )
 from fxpipe.passes.configure.step_time import (
     FORWARD_SHARE,
     overheads_for,
     predict_plan,
+    stage_times,
 )
 from fxpipe.passes.partition.cost_graph import batched_nodes
 from fxpipe.passes.partition.memory import checkpointed
@@ -62,14 +64,16 @@ def choose_configuration(
     counts: Sequence[int],
     modes: Sequence[Checkpoints],
     *,
+    timing: Callable[[int], CostTable | None] = lambda chunks: None,
     stages: int,
     per_stage: bool,
     searched: str,
 ) -> PipelinePlan:
     """The plan of the fastest predicted configuration that fits, among ``counts`` x
     ``modes`` (and, with ``per_stage``, the per-stage modes found on each split), with the
-    table it was chosen from in ``weighed`` (``stages``: how many the plans have); the
-    ``MemoryPlanError`` of the configuration
+    table it was chosen from in ``weighed`` (``stages``: how many the plans have;
+    ``timing(chunks)``: the node costs that time a step at that count, None for the plans'
+    own); the ``MemoryPlanError`` of the configuration
     that needs the least memory when none fits."""
     rows: list[Configuration] = []
     plans: list[PipelinePlan | None] = []
@@ -82,13 +86,13 @@ def choose_configuration(
             rows.append(_refused(chunks, mode, stages, e))
             plans.append(None)
             continue
-        rows.append(predict_plan(plan))
+        rows.append(predict_plan(plan, timing(chunks)))
         plans.append(plan)
         if per_stage and plan.training:
-            relaxed = least_recompute(plan)
+            relaxed = least_recompute(plan, timing(chunks))
             if (chunks, relaxed) not in {(r.chunks, r.checkpoint) for r in rows}:
                 better = planner(chunks, relaxed, plan.stage_of)
-                rows.append(predict_plan(better, kind="per stage"))
+                rows.append(predict_plan(better, timing(chunks), kind="per stage"))
                 plans.append(better)
     fitting = [i for i, r in enumerate(rows) if r.step is not None]
     if not fitting:
@@ -117,11 +121,15 @@ def _refused(chunks: int, mode: Checkpoints, k: int, error: MemoryPlanError) -> 
     return Configuration(chunks, modes, None, refused=reason)
 
 
-def least_recompute(plan: PipelinePlan) -> tuple[CheckpointMode, ...]:
+def least_recompute(
+    plan: PipelinePlan, costs: CostTable | None = None
+) -> tuple[CheckpointMode, ...]:
     """Per stage, the checkpoint modes on ``plan``'s split that recompute least (predicted
-    seconds, the runtime's cost per checkpointed cell included) while each device's stages
-    fit its capacity; the plan's own modes where nothing better fits."""
+    seconds, from ``costs`` or the plan's own, the runtime's cost per checkpointed cell
+    included) while each device's stages fit its capacity; the plan's own modes where
+    nothing better fits."""
     k = plan.num_stages
+    stage_cost = stage_times(plan, costs).cost
     current = plan.checkpoint_modes
     batched = batched_nodes(plan.graph_module)
     overheads = overheads_for(plan.devices[0].type)
@@ -133,7 +141,7 @@ def least_recompute(plan: PipelinePlan) -> tuple[CheckpointMode, ...]:
                             training=plan.training, batched=batched)  # fmt: skip
 
     def seconds(j: int, mode: CheckpointMode) -> float:
-        again = plan.stages[j].cost * FORWARD_SHARE / max(m, 1) + overheads.checkpointed
+        again = stage_cost[j] * FORWARD_SHARE / max(m, 1) + overheads.checkpointed
         return checkpointed(m, mode, last=j == k - 1) * again
 
     chosen = list(current)

@@ -16,9 +16,11 @@ cell of stage ``j`` takes
   random state, a second graph), and ``step`` seconds per step (cutting and joining).
 
 The runtime's costs are constants per kind of device (:data:`OVERHEADS`), measured on the
-runtime itself (``python -m benchmarks.autoconfig --calibrate``): a stage of one small
-product per cell, 4 stages, 1 to 32 micro-batches; the CUDA ones are the CPU's, the same
-Python work, plus a copy's fixed cost between devices.
+runtime itself (``python -m benchmarks.autoconfig --calibrate``): stages of tiny products,
+so that their compute is negligible, 1 and 4 stages, 1 and 32 micro-batches; the CUDA ones
+are the CPU's (the same Python work). The stage costs at each count are priced by
+:data:`fxpipe.passes.price.roofline.STEP_ROOFLINES`, whose per-kernel cost is measured the
+same way.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.ir import CheckpointMode, Configuration, PipelinePlan
+from fxpipe.ir import CheckpointMode, Configuration, CostTable, PipelinePlan
 from fxpipe.passes.partition.memory import checkpointed
 
 __all__ = [
@@ -59,10 +61,12 @@ class Overheads:
     bandwidth: float
 
 
-#: Per kind of device.
+#: Per kind of device (CPU: ``python -m benchmarks.autoconfig --calibrate`` on a 2-core x86
+#: machine gave 58 us per cell, 285 us per checkpointed cell and 133 us per step, with 17 us
+#: per node and micro-batch, the step roofline's kernel cost).
 OVERHEADS: dict[str, Overheads] = {
-    "cpu": Overheads(cell=150e-6, checkpointed=250e-6, step=250e-6, bandwidth=float("inf")),
-    "cuda": Overheads(cell=150e-6, checkpointed=250e-6, step=250e-6, bandwidth=20e9),
+    "cpu": Overheads(cell=60e-6, checkpointed=285e-6, step=130e-6, bandwidth=float("inf")),
+    "cuda": Overheads(cell=60e-6, checkpointed=285e-6, step=130e-6, bandwidth=20e9),
 }
 
 
@@ -141,15 +145,22 @@ def predict_step(
     )
 
 
-def stage_times(plan: PipelinePlan) -> StageTimes:
-    """The replay's view of ``plan``: stage costs, devices, bytes received across devices."""
+def stage_times(plan: PipelinePlan, costs: CostTable | None = None) -> StageTimes:
+    """The replay's view of ``plan``: stage costs (its own, or its nodes' in ``costs`` over
+    their device's speed), devices, bytes received across devices."""
     device = tuple(str(s.device) for s in plan.stages)
+    cost = tuple(s.cost for s in plan.stages)
+    if costs is not None:
+        speeds = plan.speeds or (1.0,) * plan.num_stages
+        cost = tuple(
+            sum(costs.nodes[n].cost for n in s.nodes) / speeds[s.index] for s in plan.stages
+        )
     received = [0.0] * plan.num_stages
     for e in plan.edges:
         for j in e.consumers:
             if device[j] != device[e.producer]:
                 received[j] += e.bytes
-    return StageTimes(tuple(s.cost for s in plan.stages), device, tuple(received))
+    return StageTimes(cost, device, tuple(received))
 
 
 def device_memory(plan: PipelinePlan) -> tuple[tuple[str, int], ...]:
@@ -160,11 +171,15 @@ def device_memory(plan: PipelinePlan) -> tuple[tuple[str, int], ...]:
     return tuple(used.items())
 
 
-def predict_plan(plan: PipelinePlan, *, kind: str = "global") -> Configuration:
+def predict_plan(
+    plan: PipelinePlan, costs: CostTable | None = None, *, kind: str = "global"
+) -> Configuration:
     """The predicted step of ``plan`` as it was planned (its chunks and checkpoint modes;
-    ``except_last`` where it recorded none), with its memory per device."""
+    ``except_last`` where it recorded none), with its memory per device; ``costs``: the
+    node costs that time a step (``fxpipe.passes.price.roofline.STEP_ROOFLINES``' prices at
+    the plan's chunks), where the plan's own were made for the split."""
     found = predict_step(
-        stage_times(plan),
+        stage_times(plan, costs),
         plan.chunks,
         plan.checkpoint_modes,
         training=plan.training,

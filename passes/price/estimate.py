@@ -92,28 +92,31 @@ def estimate_costs(
     intensity: float | None = None,
     micro_batches: int = 1,
     progress: Progress | None = None,
+    roofline: Roofline | None = None,
 ) -> CostTable:
     """Price every node of ``gm`` run on ``example_values`` (one value per placeholder).
 
     ``device``: where "time" profiles, and whose kind of device "roofline" prices for
     (default: the examples' device); the other modes run on the examples where they are and
     ignore it. ``micro_batches``: how many pieces the pipeline cuts the batch into
-    ("roofline" charges per-kernel and per-weight costs once per piece).
+    ("roofline" charges per-kernel and per-weight costs once per piece). ``roofline``:
+    the constants "roofline" prices with (default: those of the device's kind).
     """
     if mode not in ("time", "roofline"):
         device = None
     if callable(mode):
         return _run(gm, example_values, "custom", mode, device, repeats, intensity, progress)
     if mode == "roofline" and recorded_shapes(gm, example_values) is not None:
-        roofline = roofline_for((device or _device_of(example_values)).type)
-        table: CostTable = price_recorded(gm, example_values, roofline, micro_batches)
+        rates = roofline or roofline_for((device or _device_of(example_values)).type)
+        table: CostTable = price_recorded(gm, example_values, rates, micro_batches)
         if progress is not None:
             progress(len(table.nodes), len(table.nodes))
         return _checks_free(gm, table)
-    return _checks_free(
-        gm,
-        _run(gm, example_values, mode, None, device, repeats, intensity, progress, micro_batches),
-    )
+    table = _run(
+        gm, example_values, mode, None, device, repeats, intensity, progress, micro_batches,
+        roofline,
+    )  # fmt: skip
+    return _checks_free(gm, table)
 
 
 def _checks_free(gm: fx.GraphModule, table: CostTable) -> CostTable:
@@ -161,13 +164,21 @@ def _run(
     intensity: float | None,
     progress: Progress | None,
     micro_batches: int = 1,
+    roofline: Roofline | None = None,
 ) -> CostTable:
     device = device or _device_of(values)
     if intensity is None:
         intensity = DEFAULT_INTENSITY.get(device.type, 10.0)
-    pricer = _Pricer(gm, mode, fn, device, repeats, intensity)
-    pricer.micro_batches, pricer.progress = micro_batches, progress
-    pricer.home = _device_of(values)
+
+    def pricer_for() -> _Pricer:
+        made = _Pricer(gm, mode, fn, device, repeats, intensity)
+        made.micro_batches, made.progress = micro_batches, progress
+        made.home = _device_of(values)
+        if roofline is not None:
+            made.roofline = roofline
+        return made
+
+    pricer = pricer_for()
     with preserved(gm, structure=False):  # pricing runs the user's modules
         if mode == "time":
             pricer.run(*[_to(v, device) for v in values])
@@ -183,9 +194,7 @@ def _run(
                 ):
                     raise
                 # The example holds real values: count the same FLOP and bytes on them.
-                pricer = _Pricer(gm, mode, fn, device, repeats, intensity)
-                pricer.micro_batches, pricer.progress = micro_batches, progress
-                pricer.home = _device_of(values)
+                pricer = pricer_for()
                 pricer.run(*values)
     unit = _UNITS.get(mode, "custom")
     return CostTable(mode, unit, dict(pricer.costs), _batch_size(values))

@@ -27,7 +27,7 @@ decide a split; the seconds say what the reference device would take.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = [
     "Roofline",
@@ -39,6 +39,8 @@ __all__ = [
     "MEMORY_PASSES",
     "GATHER_OPS",
     "roofline_for",
+    "STEP_ROOFLINES",
+    "step_roofline_for",
     "node_work",
     "attribute_work",
 ]
@@ -175,6 +177,10 @@ class Roofline:
     cache_bandwidth: float = 0.0
     cache_bytes: float = 0.0
     resident_bytes: float = 0.0
+    #: Whether a micro-batch's activations are served from the caches at its own size
+    #: (smaller micro-batches faster per byte), or at the whole batch's, as whole steps of
+    #: many micro-batches measure on the CPU (:data:`STEP_ROOFLINES`).
+    micro_batch_caches: bool = True
 
     def seconds(self, work: Work, micro_batches: int = 1) -> float:
         """Forward + backward seconds of ``work`` for the batch in ``micro_batches`` pieces."""
@@ -182,7 +188,8 @@ class Roofline:
         repeat = 1 if work.batched else m
         moved = work.bytes * repeat
         resident = self.bandwidth_for(work.weight_bytes, self.resident_bytes)
-        memory = moved / self.bandwidth_for(moved / m) + work.fixed_bytes * m / resident
+        piece = moved / m if self.micro_batch_caches else moved
+        memory = moved / self.bandwidth_for(piece) + work.fixed_bytes * m / resident
         compute = self._compute(work) * repeat
         busy = max(compute, memory) + (1.0 - self.overlap) * min(compute, memory)
         added = work.grad_bytes * self.accumulate * max(work.grads * m - 1, 0)
@@ -238,6 +245,23 @@ ROOFLINES: Mapping[str, Roofline] = {
         low_precision=10.0,
     ),
 }
+
+
+#: The rooflines that predict a whole step at a micro-batch count (``chunks="auto"`` weighs
+#: counts with them): on the CPU, the activations' cache bandwidth is the whole batch's at
+#: any count, and a kernel's fixed cost is what a node costs in a pipeline's stage (Python,
+#: dispatch and autograd, forward and backward: 17 us measured per node and micro-batch,
+#: ``python -m benchmarks.autoconfig --calibrate``), since smaller micro-batches measured
+#: slower per sample on whole models (``benchmarks/docs/autoconfig.md``).
+STEP_ROOFLINES: Mapping[str, Roofline] = {
+    "cpu": replace(ROOFLINES["cpu"], overhead=8.5e-6, micro_batch_caches=False),
+    "cuda": ROOFLINES["cuda"],
+}
+
+
+def step_roofline_for(device_type: str) -> Roofline:
+    """The roofline that predicts a whole step on a kind of device (:data:`STEP_ROOFLINES`)."""
+    return STEP_ROOFLINES.get(device_type, STEP_ROOFLINES["cuda"])
 
 
 def roofline_for(device_type: str) -> Roofline:

@@ -136,11 +136,13 @@ def train(
     dp: int = 1,
     data_parallel: str = "ddp",
     compile: Any = False,
+    n_mb: Any = N_MB,
 ) -> dict[str, Any]:
     """One pipelined step, then one SGD step; gradients and the state-dict shard (whole
     tensors, gathered from FSDP's shards). With ``dp > 1``: a (world / dp) x dp mesh,
     replica ``i`` taking the i-th slice of a global batch of ``dp * BATCH``. ``compile``:
-    pipeline_schedule's (what compiling each stage came to is returned too)."""
+    pipeline_schedule's (what compiling each stage came to is returned too); ``n_mb``:
+    its ``n_microbatches`` (the schedule and count it ran with are returned)."""
     build, args, kwargs, loss_fn, target = problem(name, dp * BATCH)
     model = build()
     mesh, replica = None, 0
@@ -158,7 +160,7 @@ def train(
         args,
         example_kwargs=kwargs,
         schedule=schedule,
-        n_microbatches=N_MB,
+        n_microbatches=n_mb,
         loss_fn=loss_fn,
         stages_per_rank=spr,
         scale_grads=scale_grads,
@@ -199,6 +201,8 @@ def train(
         # FSDP warns when a wrapped stage returns a view (its backward hook could be lost)
         "view_warnings": [str(w.message) for w in caught if "view" in str(w.message)],
         "compiled": [(c.compiled, c.graphs) for c in pipe.compilation],
+        "ran": (pipe.options.schedule, pipe.options.n_microbatches, pipe.options.stages_per_rank),
+        "chosen_from": None if pipe.schedule_choice is None else len(pipe.schedule_choice.weighed),
     }
 
 
