@@ -11,10 +11,11 @@ on a large batch: large activations, small weights), 4 stages on the CPU:
 
 1. The memory fxpipe estimates for every global configuration of the grid (chunks 1, 2, 4,
    8, 16, 32, at most the batch; checkpoint ``never``, ``except_last``, ``always``) gives
-   the *tight* budget: half-way between the least that ``always`` needs (over the counts)
-   and the least that ``except_last`` needs, so that only ``always`` fits as a global mode
-   (``never`` needs more than ``except_last`` at any count). The *loose* budget is the
-   machine's memory (everything fits).
+   the *tight* budget: the largest of a few points between the least that ``always`` needs
+   (over the counts) and the least that ``except_last`` needs at which no ``never`` or
+   ``except_last`` configuration fits, the split searched under the budget: only
+   ``always`` fits as a global mode, with the most room left for per-stage modes. The
+   *loose* budget is the machine's memory (everything fits).
 2. At each budget, a pipeline per configuration of the grid that fits (the planner refuses
    the others, ``MemoryPlanError``) and one with ``chunks="auto", checkpoint="auto"``, each
    on its own copy of the model, and one training step of each (forward, the loss,
@@ -24,9 +25,14 @@ on a large batch: large activations, small weights), 4 stages on the CPU:
 Read per model and budget: the automatic configuration's time over the grid's best (target
 <= 1.05 on at least 4 of 5 models, never above 1.15), over the best configuration with
 ``checkpoint="always"`` (tight budget: per-stage checkpointing, target <= 0.90 on at least
-2 models), over the default (``chunks=None``, ``except_last``), and its predicted step over
-its measured one (the prediction error). "Fits" is the planner's estimate against the
-budget (how close that estimate is to measured memory: ``benchmarks.runtime``).
+2 models; beside it the bound, ``never`` over ``always`` at the same count, measured
+without a budget: no choice of modes per stage gains more), over the default
+(``chunks=None``, ``except_last``), and its predicted step over its measured one (the
+prediction error). Ratios are medians of per-round ratios. Where the chosen configuration
+is one of the grid's (one mode for every stage), its time is the grid's run of it, and
+the automatic pipeline's own run is shown beside it: two pipelines of one configuration
+differ by the machine's noise, which that pair measures. "Fits" is the planner's estimate
+against the budget (how close that estimate is to measured memory: ``benchmarks.runtime``).
 
 ``--calibrate`` measures the runtime's fixed costs per cell, per checkpointed cell and per
 step that the prediction uses (``fxpipe.passes.configure.step_time.OVERHEADS``): a model
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import platform
 import statistics
 import time
@@ -57,6 +64,8 @@ from benchmarks.harness.models.zoo_nets import ResidualMLP, UNet
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.timing import time_interleaved
 from fxpipe.errors import ChunksWarning, MemoryPlanError
+from fxpipe.passes.partition.cost_graph import batched_nodes
+from fxpipe.passes.split.plan import stage_memory
 
 STAGES = 4
 GRID_CHUNKS = (1, 2, 4, 8, 16, 32)
@@ -66,6 +75,9 @@ AUTO = "auto"
 #: per-stage checkpointing over the best "always" at the tight budget (on PER_STAGE_AT).
 WITHIN, MODELS_AT, NEVER_OVER = 1.05, 4, 1.15
 PER_STAGE, PER_STAGE_AT = 0.90, 2
+#: Where the tight budget is tried, from the least "always" needs (0) to the least
+#: "except_last" needs (1): the first at which only "always" fits globally.
+TIGHT_FRACTIONS = (0.99, 0.95, 0.9, 0.8, 0.6, 0.4, 0.2, 0.0)
 
 Build = Callable[[], tuple[nn.Module, Batch, Loss]]
 
@@ -113,11 +125,12 @@ def _pipe(model: nn.Module, batch: Batch, config: Config, budget: int | None) ->
         )  # fmt: skip
 
 
-def _need(model: nn.Module, batch: Batch, config: Config) -> int:
-    """fxpipe's estimate of the device memory of ``config`` (no budget)."""
+def _need(model: nn.Module, batch: Batch, config: Config, budget: int | None = None) -> int:
+    """fxpipe's estimate of the device memory of ``config`` (split under ``budget``);
+    MemoryPlanError when no split fits it."""
     args, kwargs = batch
     plan = fxpipe.plan(model, args, ["cpu"] * STAGES, example_kwargs=kwargs, chunks=config[0],
-                       checkpoint=config[1])  # fmt: skip
+                       checkpoint=config[1], max_memory=budget)  # fmt: skip
     return sum(s.memory_bytes for s in plan.stages)
 
 
@@ -126,11 +139,33 @@ def _grid(batch: Batch) -> list[Config]:
     return [(c, m) for c in counts for m in MODES]
 
 
+def _fits(model: nn.Module, batch: Batch, config: Config, budget: int) -> bool:
+    try:
+        _need(model, batch, config, budget)
+    except MemoryPlanError:
+        return False
+    return True
+
+
 def _budgets(model: nn.Module, batch: Batch) -> tuple[dict[str, int | None], dict[str, int]]:
+    """The loose budget (None: the machine's) and the tight one: the largest of a few
+    fractions of the way from the least ``always`` needs to the least ``except_last`` needs
+    at which no ``never`` or ``except_last`` configuration of the grid fits (the split
+    searched under the budget), so that per-stage modes have the most room."""
     needs = {_label(c): _need(model, batch, c) for c in _grid(batch)}
     least = {m: min(v for k, v in needs.items() if k.endswith(" " + m)) for m in MODES}
-    tight = least["always"] + (least["except_last"] - least["always"]) // 2
-    return {"loose": None, "tight": tight}, needs
+    lighter = [c for c in _grid(batch) if c[1] != "always"]
+    gap = least["except_last"] - least["always"]
+    for fraction in TIGHT_FRACTIONS:
+        tight = least["always"] + int(fraction * gap)
+        if not any(_fits(model, batch, c, tight) for c in lighter):
+            return {"loose": None, "tight": tight}, needs
+    return {"loose": None, "tight": least["always"]}, needs
+
+
+def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a``'s step over ``b``'s in the same round."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def _measure(
@@ -146,6 +181,25 @@ def _measure(
             pipes[_label(config)] = _pipe(copy.deepcopy(model), batch, config, budget)
         except MemoryPlanError as e:
             refused[_label(config)] = str(e).splitlines()[0][:100]
+    auto = pipes.get("auto")
+    combos = []
+    if auto is not None and budget is not None:  # every per-stage combination that fits
+        for modes in _fitting_modes(auto.plan, budget):
+            label = f"M={auto.chunks} {_modes(modes)}"
+            if len(set(modes)) > 1 and label not in pipes:
+                try:
+                    pipes[label] = _pipe(copy.deepcopy(model), batch, (auto.chunks, list(modes)),
+                                         budget)  # fmt: skip
+                    combos.append(label)
+                except MemoryPlanError:
+                    refused[label] = "its own split does not fit"
+    bound = None
+    if auto is not None and budget is not None:  # recomputing nothing, at auto's count
+        bound = f"M={auto.chunks} never"
+        if bound not in pipes:
+            pipes[f"{bound} (bound)"] = _pipe(copy.deepcopy(model), batch, (auto.chunks,
+                                              "never"), None)  # fmt: skip
+            bound = f"{bound} (bound)"
     args, kwargs = batch
 
     def step(pipe: fxpipe.Pipeline) -> Callable[[], None]:
@@ -156,43 +210,89 @@ def _measure(
 
     holder = nn.ModuleList(p.module for p in pipes.values())
     steps = {label: step(pipe) for label, pipe in pipes.items()}
-    times = time_interleaved(holder, steps, repeats, warmup=2, budget_s=90.0)
-    wall = {k: statistics.median(v) for k, v in times["wall"].items()}
-    auto = pipes.get("auto")
-    grid = {k: v for k, v in wall.items() if k != "auto"}
+    times = time_interleaved(holder, steps, repeats, warmup=2, budget_s=150.0)
+    wall = times["wall"]
+    median = {k: statistics.median(v) for k, v in wall.items()}
+    grid = {k: v for k, v in median.items() if k.startswith("M=") and "bound" not in k
+            and k not in combos}  # fmt: skip
     best = min(grid, key=grid.__getitem__) if grid else None
-    always = {k: v for k, v in grid.items() if k.endswith(" always")}
-    best_always = min(always, key=always.__getitem__) if always else None
-    default = f"M={min(4 * STAGES, _batch_size(batch))} except_last"
     row: dict[str, Any] = {
         "model": name,
         "budget": budget_name,
         "budget_bytes": budget,
-        "fits": sorted(pipes),
+        "fits": sorted(k for k in pipes if "bound" not in k),
         "refused": refused,
-        "step_ms": {k: round(1e3 * v, 3) for k, v in wall.items()},
-        "rounds": len(next(iter(times["wall"].values()))),
+        "step_ms": {k: round(1e3 * v, 3) for k, v in median.items()},
+        "rounds": len(next(iter(wall.values()))),
         "best": best,
-        "best_ms": 1e3 * wall[best] if best else None,
+        "best_ms": 1e3 * median[best] if best else None,
     }
     if auto is None:
         row["auto_refused"] = refused.get("auto")
         return row
+    assert best is not None
     choice = auto.plan.configurations().choice
+    label = f"M={choice.chunks} {choice.mode}" if isinstance(choice.mode, str) else None
+    same = label if label in grid else "auto"  # the grid's run of the same configuration
+    always = {k: v for k, v in grid.items() if k.endswith(" always")}
+    best_always = min(always, key=always.__getitem__) if always else None
+    default = f"M={min(4 * STAGES, _batch_size(batch))} except_last"
     row.update(
         auto_choice=f"M={choice.chunks} {_modes(choice.checkpoint)}",
-        auto_ms=1e3 * wall["auto"],
-        auto_over_best=wall["auto"] / wall[best] if best else None,
+        auto_ms=1e3 * median[same],
+        auto_own_ms=1e3 * median["auto"],
+        auto_measured_as=same,
+        auto_over_best=_paired(wall, same, best),
+        auto_own_over_best=_paired(wall, "auto", best),
         predicted_ms=1e3 * (choice.step or 0.0),
-        prediction_error=(choice.step or 0.0) / wall["auto"] - 1.0,
+        prediction_error=(choice.step or 0.0) / median[same] - 1.0,
         best_always=best_always,
-        auto_over_always=wall["auto"] / wall[best_always] if best_always else None,
+        auto_over_always=_paired(wall, same, best_always) if best_always else None,
+        bound=bound,
+        bound_over_always=(
+            _paired(wall, bound, f"M={auto.chunks} always")
+            if bound and f"M={auto.chunks} always" in wall
+            else None
+        ),
         default=default,
-        auto_over_default=wall["auto"] / wall[default] if default in wall else None,
+        auto_over_default=_paired(wall, same, default) if default in wall else None,
+        predicted_over_always=_predicted_over_always(auto.plan),
+        per_stage=combos,
+        per_stage_best=min(combos, key=median.__getitem__) if combos else None,
+        per_stage_best_over_always=(
+            min(_paired(wall, c, f"M={auto.chunks} always") for c in combos)
+            if combos and f"M={auto.chunks} always" in wall
+            else None
+        ),
         auto_memory_bytes=sum(s.memory_bytes for s in auto.plan.stages),
         configurations=len(auto.plan.configurations().rows),
     )
     return row
+
+
+def _fitting_modes(plan: fxpipe.PipelinePlan, budget: int) -> list[tuple[str, ...]]:
+    """Every combination of one checkpoint mode per stage whose memory on ``plan``'s split
+    fits ``budget`` (its stages share one device), by fxpipe's estimate."""
+    k, m = plan.num_stages, plan.chunks
+    batched = batched_nodes(plan.graph_module)
+    need = {(j, mode): stage_memory(s, plan.costs, chunks=m, checkpoint=mode, last=j == k - 1,
+                                    batched=batched)
+            for j, s in enumerate(plan.stages) for mode in MODES}  # fmt: skip
+    combos = itertools.product(MODES, repeat=k)
+    return [c for c in combos if sum(need[j, x] for j, x in enumerate(c)) <= budget]
+
+
+def _predicted_over_always(plan: fxpipe.PipelinePlan) -> float | None:
+    """The chosen configuration's predicted step over ``always``'s at the same count: with
+    modes per stage, the most the budget lets recomputation shrink (the choice is the
+    least recomputation over every combination of modes that fits, by the predictions)."""
+    table = plan.configurations()
+    chosen = table.choice
+    always = [r for r in table.rows if r.chunks == chosen.chunks and r.kind == "global"
+              and set(r.checkpoint) == {"always"} and r.step]  # fmt: skip
+    if not always or chosen.step is None or always[0].step is None:
+        return None
+    return chosen.step / always[0].step
 
 
 def _modes(modes: tuple[str, ...]) -> str:
@@ -224,10 +324,25 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
     gains = [r["auto_over_always"] for r in rows if r["budget"] == "tight" and
              r.get("auto_over_always") is not None]  # fmt: skip
     met = sum(x <= PER_STAGE for x in gains)
+    bounds = ", ".join(f"{r['model']} {r['bound_over_always']:.3f}" for r in rows
+                       if r.get("bound_over_always") is not None)  # fmt: skip
+    under = ", ".join(f"{r['model']} {r['predicted_over_always']:.3f}" for r in rows
+                      if r["budget"] == "tight" and r.get("predicted_over_always"))  # fmt: skip
+    measured = ", ".join(
+        f"{r['model']} {r['per_stage_best_over_always']:.3f} ({len(r['per_stage'])} tried)"
+        if r.get("per_stage_best_over_always")
+        else f"{r['model']} none fits"
+        for r in rows
+        if r["budget"] == "tight" and "per_stage" in r
+    )
     out.append(
         f"tight: auto over the best checkpoint='always' <= {PER_STAGE} on {met} of "
         f"{len(gains)} models (target >= {PER_STAGE_AT}): "
-        f"{'PASS' if met >= PER_STAGE_AT else 'MISS'}"
+        f"{'PASS' if met >= PER_STAGE_AT else 'MISS'}; bound without the budget (never over "
+        f"always at auto's count, measured): {bounds}; bound under the budget (the least "
+        f"recomputation of every per-stage combination that fits, predicted, over always): "
+        f"{under}; measured, the best of every per-stage combination that fits at auto's "
+        f"count over always: {measured}"
     )
     errors = ", ".join(f"{r['model']} {r['budget']} {r['prediction_error']:+.0%}"
                        for r in rows if "prediction_error" in r)  # fmt: skip
@@ -250,13 +365,21 @@ def _print(rows: list[dict[str, Any]]) -> None:
         ("best ms", ms("best_ms")),
         ("auto chose", lambda r: r.get("auto_choice", "-")),
         ("auto ms", ms("auto_ms")),
+        ("own ms", ms("auto_own_ms")),
         ("auto/best", ratio("auto_over_best")),
         ("auto/always", ratio("auto_over_always")),
+        ("bound", ratio("bound_over_always")),
+        ("pred/always", ratio("predicted_over_always")),
         ("auto/default", ratio("auto_over_default")),
         ("predicted ms", ms("predicted_ms")),
         ("rounds", lambda r: str(r["rounds"])),
     ]
-    print("\none training step, 4 stages on the CPU (median over rounds; ratios of medians)")
+    print(
+        "\none training step, 4 stages on the CPU (ms: median over rounds; ratios: median of "
+        "per-round ratios; auto ms: the grid's run of the chosen configuration where it is "
+        "one, own ms: auto's own pipeline; bound: recomputing nothing over 'always' at auto's "
+        "count, the most any checkpointing per stage can gain)"
+    )
     print(format_table(rows, columns, left=2))
 
 

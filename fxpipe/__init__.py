@@ -18,7 +18,10 @@ How a model becomes a pipeline, one direction of flow, a folder per step:
 4. split (``fxpipe.passes.split``): a frozen ``PipelinePlan`` and one GraphModule per stage
    whose inputs and outputs are exactly the boundary values (another trace of the model,
    in eval mode or with ``labels=``, is split along the same borders). Beside it,
-   ``fxpipe.passes.batch`` turns a loss inside the model into partial sums per micro-batch.
+   ``fxpipe.passes.batch`` turns a loss inside the model into partial sums per micro-batch,
+   and ``fxpipe.passes.configure`` (``chunks="auto"``, ``checkpoint="auto"``) runs steps
+   2 to 4 per micro-batch count and checkpoint mode and keeps the plan whose predicted step
+   (the schedule replayed on the stage costs) is fastest under the memory budgets.
 5. run (``fxpipe/runtime/``): micro-batches flow through the stages on a clock-cycle
    schedule, one worker thread per device, copy streams for boundary values, fork/join so
    backward runs in reverse micro-batch order, and checkpoint/recompute with the RNG state

@@ -18,6 +18,10 @@ Installed as ``fxpipe.passes``; import it only under that name. A folder per ste
 4. ``batch`` (between trace and price): ``roles.batch_roles`` says which values grow with
    the batch, and ``reductions.split_reductions`` computes a loss inside the model from
    partial sums per micro-batch.
+5. ``configure`` (over 1 to 3): ``step_time.predict_step`` replays the clock-cycle schedule
+   on a plan's stage costs (bubble, shared devices, recomputation, the runtime's costs),
+   and ``choose.choose_configuration(planner, counts, modes, ...)`` keeps the fastest
+   configuration that fits, with checkpoint modes per stage (``least_recompute``).
 
 Beside them, the shared facts about ops: ``ops`` (views, in-place writes, state changes)
 and ``shape_only`` (modules whose output is shaped like their input).
