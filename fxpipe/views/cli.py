@@ -101,15 +101,17 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--chunks",
-        type=int,
-        help="micro-batches per batch (default: 4 x stages, at most the batch size)",
+        type=_chunks,
+        help="micro-batches per batch (default: 4 x stages, at most the batch size), or auto "
+        "(the count with the least predicted step that fits; the table is printed)",
     )
     p.add_argument(
         "--checkpoint",
         default="except_last",
-        choices=get_args(CheckpointMode),
+        choices=[*get_args(CheckpointMode), "auto"],
         help="which micro-batches recompute their forward in backward instead of keeping "
-        "activations: always, except_last (the default) or never; used with --run",
+        "activations: always, except_last (the default), never, or auto (per stage, the "
+        "least recomputation that fits)",
     )
     p.add_argument(
         "--tracer",
@@ -146,15 +148,19 @@ def _inspect(args: argparse.Namespace) -> int:
     example, kwargs = _example(args)
     devices = parse_devices(args.devices)
     options: dict[str, Any] = dict(
-        cost=args.cost, tracer=args.tracer, example_kwargs=kwargs, chunks=args.chunks
-    )
+        cost=args.cost, tracer=args.tracer, example_kwargs=kwargs, chunks=args.chunks,
+        checkpoint=args.checkpoint,
+    )  # fmt: skip
     with _progress(f"fxpipe: planning {args.factory} over {len(devices)} stages", sys.stderr):
         if run:
-            pipe = fxpipe.pipeline(model, example, devices, checkpoint=args.checkpoint, **options)
+            pipe = fxpipe.pipeline(model, example, devices, **options)
             plan = pipe.plan
         else:
             plan = fxpipe.plan(model, example, devices, **options)
     print(plan.summary())
+    if plan.weighed is not None:
+        print()
+        print(plan.configurations())
     timeline = _train_step(pipe, example, kwargs or {}) if run else None
     if timeline is not None:
         print()
@@ -172,9 +178,14 @@ def _checked_outputs(args: argparse.Namespace) -> dict[str, Path]:
         value = getattr(args, name)
         if value is not None:
             checked[name] = output_path(value, formats)[0]
-    if args.chunks is not None and args.chunks < 1:
+    if isinstance(args.chunks, int) and args.chunks < 1:
         raise ConfigError(f"--chunks {args.chunks} must be at least 1")
     return checked
+
+
+def _chunks(text: str) -> int | str:
+    """``--chunks``: a whole number, or ``auto``."""
+    return text if text == "auto" else int(text)
 
 
 def _example(args: argparse.Namespace) -> tuple[Any, dict[str, Any] | None]:

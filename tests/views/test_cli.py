@@ -290,3 +290,17 @@ def test_the_cli_refuses_bad_input_with_exit_2_and_one_line(
     assert code == 2 and out == ""
     assert err.startswith("error: ") and "Traceback" not in err
     assert re.search(CLI_CASES[case][1], err), err
+
+
+def test_auto_configuration_prints_the_table_it_chose_from(capsys: Any, monkeypatch: Any) -> None:
+    monkeypatch.chdir(ROOT)
+    code, out, err = _main(
+        capsys, "inspect", FACTORY, "--shape", "4,3,16,16", "--devices", "cpu,cpu",
+        "--chunks", "auto", "--checkpoint", "auto",
+    )  # fmt: skip
+    assert code == 0, err
+    plan = fxpipe.plan(
+        load_factory(FACTORY)(), torch.randn(4, 3, 16, 16), ["cpu", "cpu"], chunks="auto",
+        checkpoint="auto",
+    )  # fmt: skip
+    assert str(plan.configurations()) in out and "chosen from" in out
