@@ -57,9 +57,14 @@ class Assembly:
             groups=tuple(sorted(self.groups, key=self._group_order)),
             layouts=dict(self.flow.layouts),
             node_styles=dict(self.styles),
+            node_weights={name: self._weight_of(name) for name in self.styles},
             replicated=replicated,
             stage_of=dict(self.search.stage_of),
         )
+
+    def _weight_of(self, name: str) -> str:
+        product = self.search.products.get(name)
+        return product.weight if product is not None else self.embeddings[name].weight
 
     def _group_order(self, group: ShardGroup) -> int:
         return min(self.search.order[n] for n in group.columns + group.rows)

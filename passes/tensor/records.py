@@ -121,6 +121,8 @@ class TensorPlan:
     layouts: Mapping[str, Layout]
     #: Product and embedding node name -> what it computes on each rank (cut nodes only).
     node_styles: Mapping[str, NodeStyle]
+    #: Product and embedding node name -> the weight it reads (cut nodes only).
+    node_weights: Mapping[str, str]
     #: Product node name -> why it is left whole.
     replicated: Mapping[str, str]
     #: Node name -> stage index, where the plan was made for a pipeline's stages.
