@@ -190,8 +190,11 @@ class Assembly:
         for param in (p.weight, p.bias):
             if param and any(r not in lookups | {p.node} for r in self.search.readers[param]):
                 return False
-        if p.bias and self._tied(p):
-            return False
+        tied = [e for e in self.embeddings.values() if e.weight == p.weight]
+        if tied and (p.bias or p.out_dim != 0):
+            return False  # the embedding's rows must be the head's cut rows, and nothing else
+        if any(self._embedding_refusal(e, {p.weight: p.node}) for e in tied):
+            return False  # a tied embedding left whole reads the weight whole: so does the head
         return self._reaches_output_alone(p.node)
 
     def _tied(self, p: Product) -> bool:
@@ -225,8 +228,12 @@ class Assembly:
             self.groups.append(ShardGroup("embedding", (), (name,), (), (e.weight,)))
 
     def _embedding_refusal(self, e: Embedding, heads: dict[str, str]) -> str | None:
+        """Why embedding ``e`` is not cut by rows (``heads``: weight -> the LM head that may
+        read it cut alike), or None."""
         if e.rows % self.tp:
             return f"embedding of {e.rows} rows, which do not divide by tp={self.tp}"
+        if not self._from_input(e.ids):
+            return "embedding indexed by positions the model computes (a small table)"
         lookups = {x.node for x in self.embeddings.values()}
         others = [
             r
@@ -234,9 +241,7 @@ class Assembly:
             if r not in lookups and heads.get(e.weight) != r
         ]
         if others:
-            return f"embedding whose weight {', '.join(others)} also read(s) whole"
-        if not self._from_input(e.ids):
-            return "embedding indexed by positions the model computes (a small table)"
+            return f"embedding whose weight is also read whole by {', '.join(others)}"
         return None
 
     def _from_input(self, name: str) -> bool:

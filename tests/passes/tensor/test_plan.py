@@ -290,3 +290,26 @@ def test_a_weight_read_by_two_products_stays_whole() -> None:
     shared = plan.params["layers.1.weight"]
     assert shared.style == "replicated" and "is also read by" in shared.reason
     assert relative_error(emulate(traced.graph_module, plan, (x,))[0], model(x)) < 1e-5
+
+
+class TiedPositions(nn.Module):
+    """A head tied to an embedding the model indexes by positions it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.emb(torch.arange(x.shape[1])))
+
+
+def test_a_head_tied_to_an_embedding_left_whole_stays_whole() -> None:
+    model, x = TiedPositions(), torch.randn(2, 5, 8)
+    traced = trace(model, (x,))
+    plan = tensor_plan(traced.graph_module, 2, (x,))
+    assert plan.params["emb.weight"].style == "replicated"
+    assert "positions the model computes" in plan.params["emb.weight"].reason
+    assert not plan.node_styles
+    assert relative_error(emulate(traced.graph_module, plan, (x,))[0], model(x)) < 1e-5
