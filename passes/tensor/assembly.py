@@ -76,13 +76,7 @@ class Assembly:
         if name in search.ends:
             return search.ends[name]
         own = search.reasons.get(name, "no product contracts its cut") + self._upstream(name)
-        behind = [
-            p
-            for p in self._products_behind(search.nodes[name])
-            if p not in self.styles and p in search.reasons
-        ]
-        feeding = f" ({', '.join(behind)}, whose values reach it, are whole)" if behind else ""
-        return f"cut by output features, {own}; and no kept group ends in it{feeding}"
+        return f"no kept group ends in it, and cut by its output features: {own}"
 
     def _upstream(self, name: str) -> str:
         """Why the whole inputs of the node product ``name``'s cut failed at are whole, where
