@@ -16,7 +16,11 @@ training step (forward, loss, backward, gradients zeroed first), on one device:
 - ``pipeline M=m`` and ``compiled pipeline M=m`` for m = 1 and 4: ``fxpipe.pipeline`` over
   2 stages on the device, ``chunks=m``, ``checkpoint="never"`` (on one device there is
   nothing to overlap, and checkpointing only adds the recomputation), without and with
-  ``compile=True``.
+  ``compile=True``;
+- ``compiled 1-stage pipeline M=1``: the same with one stage, the traced graph compiled in
+  one piece: over ``compiled`` it is what fxpipe's graph costs the compiler without a cut,
+  and the 2-stage compiled pipeline over it is what cutting the graph in two costs (the
+  compiler fuses nothing across a stage border), the bound of any 2-stage runtime.
 
 The targets (issue "compiled stages"): the compiled pipeline at most 0.85x the pipeline on
 at least two of the three models, and at most 1.05x ``torch.compile(model)``, both at M=1,
@@ -64,6 +68,8 @@ OVER_PIPELINE = 0.85
 OVER_COMPILED_MODEL = 1.05
 MODELS_AT_TARGET = 2
 CHUNKS = 4
+#: The pipeline of one stage, compiled: the traced graph through the compiler in one piece.
+ONE_STAGE = "compiled 1-stage pipeline M=1"
 
 
 def _on(value: Any, device: torch.device) -> Any:
@@ -170,6 +176,10 @@ def measure(name: str, repeats: int, device: torch.device) -> list[dict[str, Any
             )  # fmt: skip
             pipes[key] = (pipe, copied)
             steps[key] = _step(pipe, copied, batch, loss, device)
+    whole = copy.deepcopy(model)  # the traced graph compiled in one piece: no cut
+    one = fxpipe.pipeline(whole, batch[0], [device], chunks=1, checkpoint="never",
+                          example_kwargs=batch[1], compile=True)  # fmt: skip
+    steps[ONE_STAGE] = _step(one, whole, batch, loss, device)
     compiled_keys = [k for k in steps if k.startswith("compiled")]
     first = {k: _first_steps(steps[k]) for k in compiled_keys}
     mine = [k for k in pipes if k.startswith("compiled")]
@@ -189,6 +199,10 @@ def measure(name: str, repeats: int, device: torch.device) -> list[dict[str, Any
         (hand, "compiled", None),  # the bound: micro-batches on one device, any runtime
         ("pipeline M=1", "eager", None),
         ("compiled", "eager", None),
+        # the bounds of the cut: fxpipe's traced graph compiled whole, against the model
+        # compiled whole, and the two stages against that one
+        (ONE_STAGE, "compiled", None),
+        ("compiled pipeline M=1", ONE_STAGE, None),
     ]
     rows = [ratio_row(f"{name}: {v} / {b}", times, v, b, t) for v, b, t in table]
     for row in rows:
@@ -232,6 +246,10 @@ def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
         f"{len(over_pipe)} models; over torch.compile(model) by hand in micro-batches: worst "
         f"{max(hand, default=float('nan')):.3f}; that by hand over the whole batch (the bound "
         f"of any runtime at M={CHUNKS} on one device): " + ", ".join(f"{b:.3f}" for b in bound),
+        "bounds of the cut, M=1: the traced graph compiled whole / torch.compile(model): "
+        + ", ".join(f"{x:.3f}" for x in ratios(ONE_STAGE, "compiled"))
+        + "; 2 stages / 1 stage, both compiled: "
+        + ", ".join(f"{x:.3f}" for x in ratios("compiled pipeline M=1", ONE_STAGE)),
         f"graphs compiled after the first two steps: {recompiled} (target 0): "
         f"{'PASS' if recompiled == 0 else 'MISS'}",
     ]

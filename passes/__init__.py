@@ -22,15 +22,21 @@ Installed as ``fxpipe.passes``; import it only under that name. A folder per ste
    on a plan's stage costs (bubble, shared devices, recomputation, the runtime's costs),
    and ``choose.choose_configuration(planner, counts, modes, ...)`` keeps the fastest
    configuration that fits, with checkpoint modes per stage (``least_recompute``).
+6. ``tensor`` (beside split): ``plan.tensor_plan(gm, tp, example_values, *, stage_of) ->
+   TensorPlan`` finds how each stage's products are cut over tp ranks: ``products`` finds
+   the products against a parameter and the embeddings, ``layouts`` (with ``cuts`` and
+   ``reshapes``) follows a cut through one op, ``search`` groups column- and row-wise
+   products to a fixed point, ``assembly`` makes the ``records`` (shapes from ``values``).
 
 Beside them, the shared facts about ops: ``ops`` (views, in-place writes, state changes)
 and ``shape_only`` (modules whose output is shaped like their input).
 
 The contract every pass keeps: inputs are not mutated (the GraphModule, its graph and
 the user's modules are left as they were), options are keyword-only, outputs are frozen
-records from ``fxpipe.ir``. Passes import torch, torch.fx, networkx, numpy, ``fxpipe.ir``,
-``fxpipe.errors`` and ``fxpipe.model_state`` (which puts back what pricing runs change)
-only; never the runtime, the tracer or the front door.
+records from ``fxpipe.ir`` (the tensor-parallel plan's from ``tensor.records``). Passes
+import torch, torch.fx, networkx, numpy, ``fxpipe.ir``, ``fxpipe.errors`` and
+``fxpipe.model_state`` (which puts back what pricing runs change) only; never the runtime,
+the tracer or the front door.
 """
 
 __all__: list[str] = []

@@ -389,6 +389,10 @@ TESTED_WITH = {
     "partition/objective": "tests/passes/partition/test_search.py",
     "partition/memory": "tests/passes/partition/test_memory_tables.py",
     "batch/roles": "tests/passes/batch/test_reductions.py",
+    "tensor/values": "tests/passes/tensor/test_plan.py",
+    "tensor/cuts": "tests/passes/tensor/test_layouts.py",
+    "tensor/search": "tests/passes/tensor/test_plan.py",
+    "tensor/assembly": "tests/passes/tensor/test_plan.py",
 }
 
 

@@ -1,0 +1,3 @@
+"""Tensor parallelism planned from the graph: which matrix products of a stage are cut by
+output features (column-wise) and which by input features (row-wise, then all-reduced),
+which embeddings and LM heads are cut over the vocabulary, and why the rest stays whole."""
