@@ -123,9 +123,10 @@ def pipeline_schedule(
     """
     _check_initialised()
     asked = (n_microbatches, schedule)
-    options = ScheduleOptions(  # "auto" stands in as GPipe over 1 micro-batch until chosen
+    stand_in = "gpipe" if stages_per_rank == 1 else "loopedbfs"  # takes any stages per rank
+    options = ScheduleOptions(  # "auto" stands in as one micro-batch, a schedule, until chosen
         n_microbatches=1 if n_microbatches == AUTO else n_microbatches,  # type: ignore[arg-type]
-        schedule="gpipe" if schedule == AUTO else schedule,
+        schedule=stand_in if schedule == AUTO else schedule,
         stages_per_rank=stages_per_rank,
         num_stages=num_stages,
         cost=cost,

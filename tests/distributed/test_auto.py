@@ -69,3 +69,12 @@ def test_two_ranks_run_the_choice_and_match_eager(tmp_path: Path) -> None:
     assert (schedule, n, spr) == (expected.schedule, expected.n_microbatches,  # type: ignore[attr-defined]
                                   expected.stages_per_rank)  # type: ignore[attr-defined]  # fmt: skip
     check_against_eager("unet", per_rank)
+
+
+@pytest.mark.slow
+def test_an_auto_schedule_keeps_the_stages_per_rank_given(tmp_path: Path) -> None:
+    runs = launch(train, 2, tmp_path, name="unet", schedule="auto", n_mb="auto", spr=2)
+    per_rank = results(runs)
+    ((schedule, _, spr),) = {r["ran"] for r in per_rank}
+    assert spr == 2 and schedule not in ("gpipe", "1f1b")
+    check_against_eager("unet", per_rank)
