@@ -88,6 +88,8 @@ def choose_schedule(
     except ConfigError as e:
         raise ConfigError(f"{asked}: no layout to choose from ({e})") from e
     mine = [e for e in layouts if e.pp == pp and e.dp == 1 and _fits_rank(options, e)]
+    if options.stages_per_rank > 1:  # given: schedules of that many stages per rank only
+        mine = [e for e in mine if e.virtual == options.stages_per_rank]
     if not mine:
         raise ConfigError(
             f"{asked}: no schedule and micro-batch count of {pp} pipeline ranks is left for "

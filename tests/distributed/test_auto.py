@@ -54,6 +54,12 @@ def test_what_is_given_stays_and_other_options_narrow_the_schedules() -> None:
     assert not {e.schedule for e in narrowed.weighed} & SPLIT_BACKWARD  # type: ignore[attr-defined]
 
 
+def test_stages_per_rank_given_leaves_the_schedules_of_that_count() -> None:
+    given = ScheduleOptions(n_microbatches=1, schedule="loopedbfs", stages_per_rank=2)
+    choice = _choose(n_microbatches="auto", schedule="auto", options=given)
+    assert {e.virtual for e in choice.weighed} == {2}  # type: ignore[attr-defined]
+
+
 def test_a_count_no_schedule_can_run_is_refused() -> None:
     with pytest.raises(ConfigError, match="n_microbatches=7"):
         _choose(n_microbatches=7, schedule="auto")  # 7 does not divide the batch
