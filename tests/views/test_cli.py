@@ -200,12 +200,19 @@ def test_every_inspect_option_has_help_text(capsys: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "dest, alias", [("cost", CostMode), ("checkpoint", CheckpointMode), ("tracer", TracerName)]
+    "dest, alias, more",
+    [
+        ("cost", CostMode, ()),
+        ("checkpoint", CheckpointMode, ("auto",)),
+        ("tracer", TracerName, ()),
+    ],
 )
-def test_option_choices_are_the_api_choices_and_each_is_explained(dest: str, alias: Any) -> None:
+def test_option_choices_are_the_api_choices_and_each_is_explained(
+    dest: str, alias: Any, more: tuple[str, ...]
+) -> None:
     (action,) = [a for a in _inspect_parser()._actions if a.dest == dest]
-    assert tuple(action.choices or ()) == get_args(alias)
-    for choice in get_args(alias):
+    assert tuple(action.choices or ()) == (*get_args(alias), *more)
+    for choice in (*get_args(alias), *more):
         assert re.search(rf"\b{choice}\b", action.help or ""), (dest, choice)
     assert action.default in get_args(alias)  # and the help says which one it is:
     assert re.search(rf"\b{action.default}\b[^;]*(; |\()the default\)", action.help or "")
