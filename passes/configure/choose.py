@@ -73,8 +73,8 @@ def choose_configuration(
     ``modes`` (and, with ``per_stage``, the per-stage modes found on each split), with the
     table it was chosen from in ``weighed`` (``stages``: how many the plans have;
     ``timing(chunks)``: the node costs that time a step at that count, None for the plans'
-    own); the ``MemoryPlanError`` of the configuration
-    that needs the least memory when none fits."""
+    own); the ``MemoryPlanError`` of the configuration that needs the least memory when
+    none fits."""
     rows: list[Configuration] = []
     plans: list[PipelinePlan | None] = []
     least: MemoryPlanError | None = None
@@ -91,7 +91,10 @@ def choose_configuration(
         if per_stage and plan.training:
             relaxed = least_recompute(plan, timing(chunks))
             if (chunks, relaxed) not in {(r.chunks, r.checkpoint) for r in rows}:
-                better = planner(chunks, relaxed, plan.stage_of)
+                try:  # fits by the same estimate; a refusal only leaves the row out
+                    better = planner(chunks, relaxed, plan.stage_of)
+                except MemoryPlanError:
+                    continue
                 rows.append(predict_plan(better, timing(chunks), kind="per stage"))
                 plans.append(better)
     fitting = [i for i, r in enumerate(rows) if r.step is not None]
