@@ -64,8 +64,7 @@ from benchmarks.harness.models.zoo_nets import ResidualMLP, UNet
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.timing import time_interleaved
 from fxpipe.errors import ChunksWarning, MemoryPlanError
-from fxpipe.passes.partition.cost_graph import batched_nodes
-from fxpipe.passes.split.plan import stage_memory
+from fxpipe.passes.configure.choose import mode_memory
 
 STAGES = 4
 GRID_CHUNKS = (1, 2, 4, 8, 16, 32)
@@ -273,12 +272,8 @@ def _measure(
 def _fitting_modes(plan: fxpipe.PipelinePlan, budget: int) -> list[tuple[str, ...]]:
     """Every combination of one checkpoint mode per stage whose memory on ``plan``'s split
     fits ``budget`` (its stages share one device), by fxpipe's estimate."""
-    k, m = plan.num_stages, plan.chunks
-    batched = batched_nodes(plan.graph_module)
-    need = {(j, mode): stage_memory(s, plan.costs, chunks=m, checkpoint=mode, last=j == k - 1,
-                                    batched=batched)
-            for j, s in enumerate(plan.stages) for mode in MODES}  # fmt: skip
-    combos = itertools.product(MODES, repeat=k)
+    need = mode_memory(plan)
+    combos = itertools.product(MODES, repeat=plan.num_stages)
     return [c for c in combos if sum(need[j, x] for j, x in enumerate(c)) <= budget]
 
 

@@ -15,6 +15,10 @@ import torch
 
 from fxpipe.passes.partition.units import Units
 from fxpipe.passes.partition.windows import _coarse_dag, _coarse_units
+from fxpipe.passes.tensor.cuts import Rules
+from fxpipe.passes.tensor.layouts import follow
+from fxpipe.passes.tensor.records import Layout
+from fxpipe.passes.tensor.values import node_shapes
 from fxpipe.runtime.checkpoint import Checkpointing
 from fxpipe.runtime.worker import InQueue, OutQueue, WorkerPool
 
@@ -68,3 +72,15 @@ def sweep(values: Iterable[Any], quick: int = 1) -> list[Any]:
 
 
 SLOW = pytest.mark.slow
+
+
+def tensor_rules(fn: Callable[..., Any], *example: torch.Tensor, tp: int = 2) -> Rules:
+    """The tensor-parallel rules of ``fn`` traced by torch.fx, its shapes from ``example``."""
+    gm = torch.fx.symbolic_trace(fn)
+    return Rules(gm, tp, node_shapes(gm, example))
+
+
+def follow_node(rules: Rules, node: str, layouts: dict[str, Layout]) -> Any:
+    """How the cut ``layouts`` of its inputs pass through the node named ``node``."""
+    n = next(n for n in rules.gm.graph.nodes if n.name == node)
+    return follow(n, layouts, rules)

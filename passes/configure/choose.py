@@ -37,7 +37,14 @@ from fxpipe.passes.partition.cost_graph import batched_nodes
 from fxpipe.passes.partition.memory import checkpointed
 from fxpipe.passes.split.plan import stage_memory
 
-__all__ = ["Planner", "chunk_counts", "choose_configuration", "least_recompute", "MAX_CHUNKS"]
+__all__ = [
+    "Planner",
+    "chunk_counts",
+    "choose_configuration",
+    "least_recompute",
+    "mode_memory",
+    "MAX_CHUNKS",
+]
 
 #: ``planner(chunks, checkpoint, stage_of)``: the plan of that configuration, its split
 #: searched (``stage_of`` None) or kept (a node -> stage mapping); ``MemoryPlanError``
@@ -124,6 +131,18 @@ def _refused(chunks: int, mode: Checkpoints, k: int, error: MemoryPlanError) -> 
     return Configuration(chunks, modes, None, refused=reason)
 
 
+def mode_memory(plan: PipelinePlan) -> dict[tuple[int, CheckpointMode], int]:
+    """``(stage, mode) -> bytes``: each stage's estimated memory on ``plan``'s split under
+    each checkpoint mode (at the plan's chunks, in its training or inference estimate)."""
+    k, batched = plan.num_stages, batched_nodes(plan.graph_module)
+    return {
+        (j, mode): stage_memory(s, plan.costs, chunks=plan.chunks, checkpoint=mode,
+                                last=j == k - 1, training=plan.training, batched=batched)
+        for j, s in enumerate(plan.stages)
+        for mode in CHECKPOINT_MODES
+    }  # fmt: skip
+
+
 def least_recompute(
     plan: PipelinePlan, costs: CostTable | None = None
 ) -> tuple[CheckpointMode, ...]:
@@ -134,14 +153,9 @@ def least_recompute(
     k = plan.num_stages
     stage_cost = stage_times(plan, costs).cost
     current = plan.checkpoint_modes
-    batched = batched_nodes(plan.graph_module)
     overheads = overheads_for(plan.devices[0].type)
     m = plan.chunks
-
-    def memory(j: int, mode: CheckpointMode) -> int:
-        stage = plan.stages[j]
-        return stage_memory(stage, plan.costs, chunks=m, checkpoint=mode, last=j == k - 1,
-                            training=plan.training, batched=batched)  # fmt: skip
+    memory = mode_memory(plan)
 
     def seconds(j: int, mode: CheckpointMode) -> float:
         again = stage_cost[j] * FORWARD_SHARE / max(m, 1) + overheads.checkpointed
@@ -153,7 +167,7 @@ def least_recompute(
         groups.setdefault(str(s.device), []).append(j)
     for js in groups.values():
         limit = plan.capacities[js[0]] if plan.capacities else None
-        table = {(j, mode): (memory(j, mode), seconds(j, mode)) for j in js
+        table = {(j, mode): (memory[j, mode], seconds(j, mode)) for j in js
                  for mode in CHECKPOINT_MODES}  # fmt: skip
         chosen_here = _best_on_device(js, table, limit, [current[j] for j in js])
         for j, mode in zip(js, chosen_here, strict=True):

@@ -26,7 +26,7 @@ same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fxpipe.ir import CheckpointMode, Configuration, CostTable, PipelinePlan
 from fxpipe.passes.partition.memory import checkpointed
@@ -185,14 +185,4 @@ def predict_plan(
         training=plan.training,
         overheads=overheads_for(plan.devices[0].type),
     )
-    return Configuration(
-        chunks=found.chunks,
-        checkpoint=found.checkpoint,
-        step=found.step,
-        compute=found.compute,
-        recompute=found.recompute,
-        idle=found.idle,
-        overhead=found.overhead,
-        memory=device_memory(plan),
-        kind=kind,
-    )
+    return replace(found, memory=device_memory(plan), kind=kind)

@@ -3,61 +3,46 @@ softmax, reductions, batched products, attention; size reads and unknown ops."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
+from helpers import follow_node, tensor_rules
 
-from fxpipe.passes.tensor.cuts import Blocked, Rules
-from fxpipe.passes.tensor.layouts import follow
-from fxpipe.passes.tensor.records import Layout, Shard
-from fxpipe.passes.tensor.values import node_shapes
-
-
-def _rules(fn: Callable[..., Any], *example: torch.Tensor, tp: int = 2) -> Rules:
-    gm = fx.symbolic_trace(fn)
-    return Rules(gm, tp, node_shapes(gm, example))
-
-
-def _follow(rules: Rules, node: str, layouts: dict[str, Layout]) -> Any:
-    n = next(n for n in rules.gm.graph.nodes if n.name == node)
-    return follow(n, layouts, rules)
+from fxpipe.passes.tensor.cuts import Blocked
+from fxpipe.passes.tensor.records import Shard
 
 
 def test_element_wise_ops_take_only_operands_that_broadcast_along_the_cut() -> None:
     def fn(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return (x + z) * y
 
-    rules = _rules(fn, torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.randn(2, 8, 1))
-    assert _follow(rules, "add", {"x": Shard(2)}) == Shard(2)
-    assert _follow(rules, "mul", {"add": Shard(2), "y": Shard(2)}) == Shard(2)
-    blocked = _follow(rules, "mul", {"add": Shard(2)})
+    rules = tensor_rules(fn, torch.randn(2, 8, 64), torch.randn(2, 8, 64), torch.randn(2, 8, 1))
+    assert follow_node(rules, "add", {"x": Shard(2)}) == Shard(2)
+    assert follow_node(rules, "mul", {"add": Shard(2), "y": Shard(2)}) == Shard(2)
+    blocked = follow_node(rules, "mul", {"add": Shard(2)})
     assert isinstance(blocked, Blocked) and "whole along that dimension (64)" in blocked.reason
-    assert isinstance(_follow(rules, "mul", {"add": Shard(2), "y": Shard(1)}), Blocked)
+    assert isinstance(follow_node(rules, "mul", {"add": Shard(2), "y": Shard(1)}), Blocked)
 
 
 def test_softmax_and_reductions_over_another_dimension_only() -> None:
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.softmax(x, dim=-1), x.sum(-1), x.mean(1, keepdim=True)
 
-    rules = _rules(fn, torch.randn(2, 4, 8, 8))
-    assert _follow(rules, "softmax", {"x": Shard(1)}) == Shard(1)
-    assert isinstance(_follow(rules, "softmax", {"x": Shard(3)}), Blocked)
-    assert _follow(rules, "sum_1", {"x": Shard(1)}) == Shard(1)
-    assert _follow(rules, "mean", {"x": Shard(2)}) == Shard(2)
-    blocked = _follow(rules, "mean", {"x": Shard(1)})
+    rules = tensor_rules(fn, torch.randn(2, 4, 8, 8))
+    assert follow_node(rules, "softmax", {"x": Shard(1)}) == Shard(1)
+    assert isinstance(follow_node(rules, "softmax", {"x": Shard(3)}), Blocked)
+    assert follow_node(rules, "sum_1", {"x": Shard(1)}) == Shard(1)
+    assert follow_node(rules, "mean", {"x": Shard(2)}) == Shard(2)
+    blocked = follow_node(rules, "mean", {"x": Shard(1)})
     assert isinstance(blocked, Blocked) and "partial result" in blocked.reason
 
 
 def test_batched_products_keep_cut_heads_and_refuse_a_cut_contraction() -> None:
-    rules = _rules(
+    rules = tensor_rules(
         lambda q, k: q @ k.transpose(-2, -1), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
     )
-    assert _follow(rules, "matmul", {"q": Shard(1), "transpose": Shard(1)}) == Shard(1)
-    assert isinstance(_follow(rules, "matmul", {"q": Shard(1)}), Blocked)  # k whole per head
-    blocked = _follow(rules, "matmul", {"q": Shard(3), "transpose": Shard(2)})
+    assert follow_node(rules, "matmul", {"q": Shard(1), "transpose": Shard(1)}) == Shard(1)
+    assert isinstance(follow_node(rules, "matmul", {"q": Shard(1)}), Blocked)  # k whole per head
+    blocked = follow_node(rules, "matmul", {"q": Shard(3), "transpose": Shard(2)})
     assert isinstance(blocked, Blocked) and "partial sum" in blocked.reason
 
 
@@ -66,18 +51,18 @@ def test_attention_is_cut_along_its_heads() -> None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
     qkv = [torch.randn(2, 4, 8, 16) for _ in range(3)]
-    rules = _rules(fn, *qkv, torch.zeros(2, 1, 8, 8))
+    rules = tensor_rules(fn, *qkv, torch.zeros(2, 1, 8, 8))
     cut = {"q": Shard(1), "k": Shard(1), "v": Shard(1)}
-    assert _follow(rules, "scaled_dot_product_attention", cut) == Shard(1)
-    blocked = _follow(rules, "scaled_dot_product_attention", {"q": Shard(1), "v": Shard(1)})
+    assert follow_node(rules, "scaled_dot_product_attention", cut) == Shard(1)
+    blocked = follow_node(rules, "scaled_dot_product_attention", {"q": Shard(1), "v": Shard(1)})
     assert isinstance(blocked, Blocked) and "its key (k) is not cut" in blocked.reason
-    per_head = _rules(fn, *qkv, torch.zeros(2, 4, 8, 8))
-    blocked = _follow(per_head, "scaled_dot_product_attention", cut)
+    per_head = tensor_rules(fn, *qkv, torch.zeros(2, 4, 8, 8))
+    blocked = follow_node(per_head, "scaled_dot_product_attention", cut)
     assert isinstance(blocked, Blocked) and "holds every head whole" in blocked.reason
 
 
 def test_size_reads_compute_nothing_and_unknown_ops_block() -> None:
-    rules = _rules(lambda x: (x.size(0), torch.cumsum(x, 1)), torch.randn(2, 8, 64))
-    assert _follow(rules, "size", {"x": Shard(2)}) is None
-    blocked = _follow(rules, "cumsum", {"x": Shard(2)})
+    rules = tensor_rules(lambda x: (x.size(0), torch.cumsum(x, 1)), torch.randn(2, 8, 64))
+    assert follow_node(rules, "size", {"x": Shard(2)}) is None
+    blocked = follow_node(rules, "cumsum", {"x": Shard(2)})
     assert isinstance(blocked, Blocked) and "not known to keep a cut local" in blocked.reason

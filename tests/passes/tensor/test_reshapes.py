@@ -3,46 +3,33 @@ q, k, v parts, splits; and the part counts worth trying for a product's output f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.fx as fx
+from helpers import follow_node, tensor_rules
 from torch import nn
 
-from fxpipe.passes.tensor.cuts import Blocked, Rules
-from fxpipe.passes.tensor.layouts import follow
-from fxpipe.passes.tensor.records import Layout, Shard
+from fxpipe.passes.tensor.cuts import Blocked
+from fxpipe.passes.tensor.records import Shard
 from fxpipe.passes.tensor.reshapes import feature_parts
-from fxpipe.passes.tensor.values import node_shapes
-
-
-def _rules(fn: Callable[..., Any], *example: torch.Tensor, tp: int = 2) -> Rules:
-    gm = fx.symbolic_trace(fn)
-    return Rules(gm, tp, node_shapes(gm, example))
-
-
-def _follow(rules: Rules, node: str, layouts: dict[str, Layout]) -> Any:
-    n = next(n for n in rules.gm.graph.nodes if n.name == node)
-    return follow(n, layouts, rules)
 
 
 def test_a_view_as_heads_keeps_the_cut_on_the_heads() -> None:
-    rules = _rules(lambda x: x.view(2, 8, 4, 16), torch.randn(2, 8, 64))
-    assert _follow(rules, "view", {"x": Shard(2)}) == Shard(2)
+    rules = tensor_rules(lambda x: x.view(2, 8, 4, 16), torch.randn(2, 8, 64))
+    assert follow_node(rules, "view", {"x": Shard(2)}) == Shard(2)
 
 
 def test_the_heads_merged_back_are_cut_as_features() -> None:
-    rules = _rules(lambda x: x.transpose(1, 2).reshape(2, 8, 64), torch.randn(2, 4, 8, 16))
-    assert _follow(rules, "transpose", {"x": Shard(1)}) == Shard(2)
-    assert _follow(rules, "reshape", {"transpose": Shard(2)}) == Shard(2)
+    rules = tensor_rules(lambda x: x.transpose(1, 2).reshape(2, 8, 64), torch.randn(2, 4, 8, 16))
+    assert follow_node(rules, "transpose", {"x": Shard(1)}) == Shard(2)
+    assert follow_node(rules, "reshape", {"transpose": Shard(2)}) == Shard(2)
 
 
 def test_a_fused_qkv_view_needs_three_parts() -> None:
-    rules = _rules(lambda x: x.view(2, 8, 3, 4, 16), torch.randn(2, 8, 192))
-    assert _follow(rules, "view", {"x": Shard(2, blocks=3)}) == Shard(3)
-    blocked = _follow(rules, "view", {"x": Shard(2)})
+    rules = tensor_rules(lambda x: x.view(2, 8, 3, 4, 16), torch.randn(2, 8, 192))
+    assert follow_node(rules, "view", {"x": Shard(2, blocks=3)}) == Shard(3)
+    blocked = follow_node(rules, "view", {"x": Shard(2)})
     assert isinstance(blocked, Blocked)
     assert "as (3, 4, 16): 3 (the head count, in attention) does not divide by tp=2" in (
         blocked.reason
@@ -50,18 +37,18 @@ def test_a_fused_qkv_view_needs_three_parts() -> None:
 
 
 def test_a_head_count_tp_does_not_divide_is_named() -> None:
-    rules = _rules(lambda x: x.view(2, 8, 3, 16), torch.randn(2, 8, 48))
-    blocked = _follow(rules, "view", {"x": Shard(2)})
+    rules = tensor_rules(lambda x: x.view(2, 8, 3, 16), torch.randn(2, 8, 48))
+    blocked = follow_node(rules, "view", {"x": Shard(2)})
     assert isinstance(blocked, Blocked)
     assert "views the cut features (48) as (3, 16): 3 (the head count" in blocked.reason
 
 
 def test_a_split_along_the_cut_must_follow_its_parts() -> None:
-    rules = _rules(lambda x: x.split(64, dim=2), torch.randn(2, 8, 192))
-    assert _follow(rules, "split", {"x": Shard(2, blocks=3)}) == (Shard(2),) * 3
-    assert isinstance(_follow(rules, "split", {"x": Shard(2)}), Blocked)
-    other = _rules(lambda x: x.split(4, dim=1), torch.randn(2, 8, 64))
-    assert _follow(other, "split", {"x": Shard(2)}) == (Shard(2),) * 2
+    rules = tensor_rules(lambda x: x.split(64, dim=2), torch.randn(2, 8, 192))
+    assert follow_node(rules, "split", {"x": Shard(2, blocks=3)}) == (Shard(2),) * 3
+    assert isinstance(follow_node(rules, "split", {"x": Shard(2)}), Blocked)
+    other = tensor_rules(lambda x: x.split(4, dim=1), torch.randn(2, 8, 64))
+    assert follow_node(other, "split", {"x": Shard(2)}) == (Shard(2),) * 2
 
 
 class _Fused(nn.Module):
@@ -76,11 +63,11 @@ class _Fused(nn.Module):
 
 @pytest.mark.parametrize("view", [True, False])
 def test_a_fused_product_is_tried_in_as_many_parts_as_it_is_cut_apart(view: bool) -> None:
-    rules = _rules(_Fused(view), torch.randn(2, 8, 64))
+    rules = tensor_rules(_Fused(view), torch.randn(2, 8, 64))
     assert feature_parts(next(n for n in rules.gm.graph.nodes if n.name == "qkv"), rules) == [1, 3]
 
 
 def test_a_plain_product_is_tried_whole_only() -> None:
-    rules = _rules(nn.Sequential(nn.Linear(64, 64)), torch.randn(2, 8, 64))
+    rules = tensor_rules(nn.Sequential(nn.Linear(64, 64)), torch.randn(2, 8, 64))
     n = next(n for n in rules.gm.graph.nodes if n.op == "call_module")
     assert feature_parts(n, rules) == [1]
