@@ -65,6 +65,7 @@ def pipeline_schedule(
     mesh: Any = None,
     data_parallel: str = "ddp",
     compile: CompileChoice = False,
+    tensor_parallel: Any = None,
 ) -> DistributedPipeline:
     """Plan ``model`` into ``world_size * stages_per_rank`` stages; build this rank's part.
 
@@ -118,9 +119,17 @@ def pipeline_schedule(
     1F1B, Interleaved1F1B and LoopedBFS, and DDP over a mesh's ``"dp"`` (refused with a
     zero-bubble schedule, whose split backward a compiled stage cannot give, and with FSDP).
 
+    ``tensor_parallel``: only None for now (the keyword the API will take a plan with).
+
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
+    if tensor_parallel is not None:
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel!r}: tensor parallelism inside a stage is not "
+            "run yet (fxpipe.passes.tensor.plan.tensor_plan finds and prints the plan); pass "
+            "tensor_parallel=None"
+        )
     _check_initialised()
     asked = (n_microbatches, schedule)
     stand_in = "gpipe" if stages_per_rank == 1 else "loopedbfs"  # takes any stages per rank
