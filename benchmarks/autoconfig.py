@@ -5,9 +5,11 @@ memory budget.
 Run from the repository root::
 
     python -m benchmarks.autoconfig [--out PATH] [--repeats N] [--models a,b] [--calibrate]
+                                    [--device cpu|cuda] [--budgets loose,tight]
 
 Per model (a ResNet-like CNN, a U-Net, a GPT-2 decoder, a BERT encoder, and a residual MLP
-on a large batch: large activations, small weights), 4 stages on the CPU:
+on a large batch: large activations, small weights), 4 stages on one device (the CPU, or
+``--device cuda``: the GPU, each step synchronised before its clock stops):
 
 1. The memory fxpipe estimates for every global configuration of the grid (chunks 1, 2, 4,
    8, 16, 32, at most the batch; checkpoint ``never``, ``except_last``, ``always``) gives
@@ -37,7 +39,7 @@ against the budget (how close that estimate is to measured memory: ``benchmarks.
 ``--calibrate`` measures the runtime's fixed costs per cell, per checkpointed cell and per
 step that the prediction uses (``fxpipe.passes.configure.step_time.OVERHEADS``): a model
 of tiny products, so that its compute is negligible, at 1 and 4 stages, 1 and 32
-micro-batches.
+micro-batches (``--device cuda``: on the GPU, written to ``autoconfig_calibration_cuda.json``).
 """
 
 from __future__ import annotations
@@ -113,23 +115,34 @@ def _batch_size(batch: Batch) -> int:
     return int(first.shape[0])
 
 
-def _pipe(model: nn.Module, batch: Batch, config: Config, budget: int | None) -> fxpipe.Pipeline:
+def _on(batch: Batch, device: str) -> Batch:
+    """``batch`` with its tensors on ``device``."""
+    args, kwargs = batch
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+
+def _pipe(
+    model: nn.Module, batch: Batch, config: Config, budget: int | None, device: str
+) -> fxpipe.Pipeline:
     args, kwargs = batch
     chunks, checkpoint = config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ChunksWarning)
         return fxpipe.pipeline(
-            model, args, ["cpu"] * STAGES, example_kwargs=kwargs, chunks=chunks,
+            model, args, [device] * STAGES, example_kwargs=kwargs, chunks=chunks,
             checkpoint=checkpoint, max_memory=budget,
         )  # fmt: skip
 
 
-def _need(model: nn.Module, batch: Batch, config: Config, budget: int | None = None) -> int:
+def _need(
+    model: nn.Module, batch: Batch, config: Config, device: str, budget: int | None = None
+) -> int:
     """fxpipe's estimate of the device memory of ``config`` (split under ``budget``);
     MemoryPlanError when no split fits it."""
     args, kwargs = batch
-    plan = fxpipe.plan(model, args, ["cpu"] * STAGES, example_kwargs=kwargs, chunks=config[0],
-                       checkpoint=config[1], max_memory=budget)  # fmt: skip
+    plan = fxpipe.plan(model, args, [device] * STAGES, example_kwargs=kwargs,
+                       chunks=config[0], checkpoint=config[1], max_memory=budget)  # fmt: skip
     return sum(s.memory_bytes for s in plan.stages)
 
 
@@ -138,26 +151,28 @@ def _grid(batch: Batch) -> list[Config]:
     return [(c, m) for c in counts for m in MODES]
 
 
-def _fits(model: nn.Module, batch: Batch, config: Config, budget: int) -> bool:
+def _fits(model: nn.Module, batch: Batch, config: Config, budget: int, device: str) -> bool:
     try:
-        _need(model, batch, config, budget)
+        _need(model, batch, config, device, budget)
     except MemoryPlanError:
         return False
     return True
 
 
-def _budgets(model: nn.Module, batch: Batch) -> tuple[dict[str, int | None], dict[str, int]]:
+def _budgets(
+    model: nn.Module, batch: Batch, device: str
+) -> tuple[dict[str, int | None], dict[str, int]]:
     """The loose budget (None: the machine's) and the tight one: the largest of a few
     fractions of the way from the least ``always`` needs to the least ``except_last`` needs
     at which no ``never`` or ``except_last`` configuration of the grid fits (the split
     searched under the budget), so that per-stage modes have the most room."""
-    needs = {_label(c): _need(model, batch, c) for c in _grid(batch)}
+    needs = {_label(c): _need(model, batch, c, device) for c in _grid(batch)}
     least = {m: min(v for k, v in needs.items() if k.endswith(" " + m)) for m in MODES}
     lighter = [c for c in _grid(batch) if c[1] != "always"]
     gap = least["except_last"] - least["always"]
     for fraction in TIGHT_FRACTIONS:
         tight = least["always"] + int(fraction * gap)
-        if not any(_fits(model, batch, c, tight) for c in lighter):
+        if not any(_fits(model, batch, c, tight, device) for c in lighter):
             return {"loose": None, "tight": tight}, needs
     return {"loose": None, "tight": least["always"]}, needs
 
@@ -168,16 +183,17 @@ def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
 
 
 def _measure(
-    name: str, build: Build, budget_name: str, budget: int | None, repeats: int
+    name: str, build: Build, budget_name: str, budget: int | None, repeats: int, device: str
 ) -> dict[str, Any]:
     model, batch, loss = build()
+    batch = _on(batch, device)
     model.train()
     configs = [*_grid(batch), (AUTO, AUTO)]
     pipes: dict[str, fxpipe.Pipeline] = {}
     refused: dict[str, str] = {}
     for config in configs:
         try:
-            pipes[_label(config)] = _pipe(copy.deepcopy(model), batch, config, budget)
+            pipes[_label(config)] = _pipe(copy.deepcopy(model), batch, config, budget, device)
         except MemoryPlanError as e:
             refused[_label(config)] = str(e).splitlines()[0][:100]
     auto = pipes.get("auto")
@@ -188,7 +204,7 @@ def _measure(
             if len(set(modes)) > 1 and label not in pipes:
                 try:
                     pipes[label] = _pipe(copy.deepcopy(model), batch, (auto.chunks, list(modes)),
-                                         budget)  # fmt: skip
+                                         budget, device)  # fmt: skip
                     combos.append(label)
                 except MemoryPlanError:
                     refused[label] = "its own split does not fit"
@@ -197,13 +213,14 @@ def _measure(
         bound = f"M={auto.chunks} never"
         if bound not in pipes:
             pipes[f"{bound} (bound)"] = _pipe(copy.deepcopy(model), batch, (auto.chunks,
-                                              "never"), None)  # fmt: skip
+                                              "never"), None, device)  # fmt: skip
             bound = f"{bound} (bound)"
     args, kwargs = batch
 
     def step(pipe: fxpipe.Pipeline) -> Callable[[], None]:
         def run() -> None:
             loss(pipe(*args, **kwargs)).backward()
+            _sync(device)
 
         return run
 
@@ -392,24 +409,36 @@ class _Tiny(nn.Module):
         return x
 
 
-def calibrate(repeats: int) -> dict[str, float]:
-    """The runtime's costs on this CPU, from models of tiny products (compute negligible):
+def _sync(device: str) -> None:
+    """Waits for the GPU's queued work (a step's clock stops when its kernels finished)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def calibrate(repeats: int, device: str = "cpu") -> dict[str, float]:
+    """The runtime's costs on ``device``, from models of tiny products (compute negligible):
     per node and micro-batch (forward and backward), per cell beyond its nodes, per
     checkpointed cell beyond its nodes' second forward, per step."""
-    x = torch.randn(64, 4)
+    x = torch.randn(64, 4, device=device)
     variants: dict[str, Callable[[], None]] = {}
     for layers in (8, 64):
-        model = _Tiny(layers)
+        model = _Tiny(layers).to(device)
         for k, m, mode in [(1, 1, "never"), (4, 1, "never"), (4, 32, "never"),
                            (4, 32, "always")]:  # fmt: skip
-            pipe = fxpipe.pipeline(copy.deepcopy(model), x, ["cpu"] * k, chunks=m,
+            pipe = fxpipe.pipeline(copy.deepcopy(model), x, [device] * k, chunks=m,
                                    checkpoint=mode)  # fmt: skip
 
             def run(pipe: fxpipe.Pipeline = pipe) -> None:
                 pipe(x).sum().backward()
+                _sync(device)
 
             variants[f"{layers} {k} {m} {mode}"] = run
-        variants[f"{layers} eager"] = lambda model=model: model(x).sum().backward()
+
+        def eager(model: nn.Module = model) -> None:
+            model(x).sum().backward()
+            _sync(device)
+
+        variants[f"{layers} eager"] = eager
     times = time_interleaved(nn.Module(), variants, repeats, budget_s=60.0)
     t = {k: statistics.median(v) for k, v in times["wall"].items()}
     extra = {n: (t[f"{n} 4 32 never"] - t[f"{n} 4 1 never"]) / 31 for n in (8, 64)}
@@ -428,40 +457,50 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (one device, 4 stages)")
+    parser.add_argument("--budgets", default="loose,tight", help="which budgets to measure")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.time()
+    device = str(torch.device(args.device if args.device != "cuda" else "cuda:0"))
+    suffix = "" if device == "cpu" else "_cuda"
+    machine = {
+        "platform": platform.platform(),
+        "cores": usable_cores(),
+        "device": torch.cuda.get_device_name(device) if suffix else "cpu",
+        **library_versions(("torch", "transformers")),
+    }
     if args.calibrate:
-        found = calibrate(max(args.repeats, 15))
-        out = Path(args.out) if args.out else result_path("autoconfig_calibration")
-        return save_json(out, {"command": command_line(), "runtime_costs_s": found})
+        found = calibrate(max(args.repeats, 15), device)
+        out = Path(args.out) if args.out else result_path("autoconfig_calibration" + suffix)
+        return save_json(
+            out, {"command": command_line(), "machine": machine, "runtime_costs_s": found}
+        )
     rows = []
     budgets_seen = {}
     for name in args.models.split(","):
         torch.manual_seed(0)
         model, batch, _ = MODELS[name]()
-        budgets, needs = _budgets(model, batch)
+        budgets, needs = _budgets(model, _on(batch, device), device)
         budgets_seen[name] = {"budgets": budgets, "needs": needs}
         for budget_name, budget in budgets.items():
+            if budget_name not in args.budgets.split(","):
+                continue
             torch.manual_seed(0)
-            rows.append(_measure(name, MODELS[name], budget_name, budget, args.repeats))
+            rows.append(_measure(name, MODELS[name], budget_name, budget, args.repeats, device))
             print(f"{name} {budget_name}: done ({time.time() - started:.0f} s)", flush=True)
     _print(rows)
     verdicts = _verdicts(rows)
     print("\n" + "\n".join(verdicts))
     payload = {
         "command": command_line(),
-        "machine": {
-            "platform": platform.platform(),
-            "cores": usable_cores(),
-            **library_versions(("torch", "transformers")),
-        },  # fmt: skip
+        "machine": machine,
         "seconds": round(time.time() - started, 1),
         "budgets": budgets_seen,
         "rows": rows,
         "verdicts": verdicts,
     }
-    return save_json(Path(args.out) if args.out else result_path("autoconfig"), payload)
+    return save_json(Path(args.out) if args.out else result_path("autoconfig" + suffix), payload)
 
 
 if __name__ == "__main__":

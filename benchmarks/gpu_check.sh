@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Everything fxpipe checks on a CUDA machine, in one run of a few minutes: the quickstart on
 # the GPUs present, the CUDA-marked tests, the GPU benchmark (python -m benchmarks.gpu), the
-# compiled-stages benchmark on the GPU (python -m benchmarks.compile --device cuda), then
-# the whole suite with CUDA visible (on several workers when pytest-xdist is installed). Logs
-# and JSON go to $OUT (default /tmp/fxpipe-gpu); a short summary is printed last.
+# runtime's costs on the GPU (python -m benchmarks.autoconfig --calibrate --device cuda),
+# the compiled-stages benchmark on the GPU (python -m benchmarks.compile --device cuda, one
+# run per model), the automatic configuration against its grid where AUTOCONFIG_MODELS names
+# models, then the whole suite with CUDA visible (on several workers when pytest-xdist is
+# installed). Logs and JSON go to $OUT (default /tmp/fxpipe-gpu); a short summary is printed
+# last. SKIP_BENCH, SKIP_AUTOCONFIG, SKIP_COMPILE and SKIP_SUITE leave a part out.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, torch with CUDA installed
 set -u
@@ -50,10 +53,22 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     TAIL=40 step gpu_bench 170 sh -c 'cd "$1" && shift && exec "$@"' sh "$BENCH_DIR" \
         "$PY" -m benchmarks.gpu --out "$OUT/gpu.json" --budget-s 110
 fi
+if [ -z "${SKIP_AUTOCONFIG:-}" ]; then  # the runtime's costs per cell and step on the GPU
+    TAIL=6 step calibrate "${CALIBRATE_S:-100}" sh -c 'cd "$1" && shift && exec "$@"' sh \
+        "$BENCH_DIR" "$PY" -m benchmarks.autoconfig --calibrate --device cuda \
+        --out "$OUT/autoconfig_calibration_cuda.json"
+fi
 if [ -z "${SKIP_COMPILE:-}" ]; then  # compiled stages: the GPU column of benchmarks.compile
-    TAIL=30 step compile_bench "${COMPILE_S:-240}" sh -c 'cd "$1" && shift && exec "$@"' sh \
-        "$BENCH_DIR" "$PY" -m benchmarks.compile --device cuda --repeats 10 \
-        --out "$OUT/compile_cuda.json"
+    for model in ${COMPILE_MODELS:-cnn decoder encoder}; do  # one run each: a cut run keeps the rest
+        TAIL=14 step "compile_$model" "${COMPILE_S:-100}" sh -c 'cd "$1" && shift && exec "$@"' \
+            sh "$BENCH_DIR" "$PY" -m benchmarks.compile --device cuda --repeats 10 \
+            --models "$model" --out "$OUT/compile_cuda_$model.json"
+    done
+fi
+if [ -n "${AUTOCONFIG_MODELS:-}" ]; then  # the automatic configuration against its grid
+    TAIL=20 step autoconfig "${AUTOCONFIG_S:-200}" sh -c 'cd "$1" && shift && exec "$@"' sh \
+        "$BENCH_DIR" "$PY" -m benchmarks.autoconfig --device cuda --repeats 7 \
+        --models "$AUTOCONFIG_MODELS" --out "$OUT/autoconfig_cuda.json"
 fi
 if [ -z "${SKIP_SUITE:-}" ]; then
     # -v: one line per finished test, so a run cut short still says what failed
