@@ -79,12 +79,12 @@ def test_per_stage_modes_on_cuda_equal_eager_on_cpu(devices: list[str]) -> None:
 def test_per_stage_recomputation_on_cuda_replays_dropout_exactly() -> None:
     """Dropout drawn on the GPU: recomputing stages give bit for bit what no recomputation
     gives (the CUDA generator's state is saved and restored per checkpointed cell)."""
-    x = torch.randn(16, 64, dtype=torch.float64, device=GPU)
+    x = torch.randn(16, 64, dtype=torch.float64)  # planned on the CPU, where the model is
     results = []
     for modes in ("never", MODES):
         model = _net(p=0.3)
         pipe = fxpipe.pipeline(model, x, ["cuda:0"] * 4, chunks=4, checkpoint=modes)
-        results.append(_step(pipe, model, x))
+        results.append(_step(pipe, model, x.to(GPU)))
     (out0, g0), (out1, g1) = results
     assert torch.equal(out0, out1)
     assert all(torch.equal(g0[n], g1[n]) for n in g0)
