@@ -186,7 +186,7 @@ def _measure(
     name: str, build: Build, budget_name: str, budget: int | None, repeats: int, device: str
 ) -> dict[str, Any]:
     model, batch, loss = build()
-    batch = _on(batch, device)
+    batch, model = _on(batch, device), model.to(device)
     model.train()
     configs = [*_grid(batch), (AUTO, AUTO)]
     pipes: dict[str, fxpipe.Pipeline] = {}
@@ -476,12 +476,25 @@ def main() -> int:
         return save_json(
             out, {"command": command_line(), "machine": machine, "runtime_costs_s": found}
         )
-    rows = []
-    budgets_seen = {}
+    rows: list[dict[str, Any]] = []
+    budgets_seen: dict[str, Any] = {}
+    out = Path(args.out) if args.out else result_path("autoconfig" + suffix)
+
+    def payload(verdicts: list[str] | None) -> dict[str, Any]:
+        return {
+            "command": command_line(),
+            "machine": machine,
+            "seconds": round(time.time() - started, 1),
+            "complete": verdicts is not None,  # False: a row's partial save, run cut short
+            "budgets": budgets_seen,
+            "rows": rows,
+            "verdicts": verdicts or [],
+        }
+
     for name in args.models.split(","):
         torch.manual_seed(0)
         model, batch, _ = MODELS[name]()
-        budgets, needs = _budgets(model, _on(batch, device), device)
+        budgets, needs = _budgets(model.to(device), _on(batch, device), device)
         budgets_seen[name] = {"budgets": budgets, "needs": needs}
         for budget_name, budget in budgets.items():
             if budget_name not in args.budgets.split(","):
@@ -489,18 +502,11 @@ def main() -> int:
             torch.manual_seed(0)
             rows.append(_measure(name, MODELS[name], budget_name, budget, args.repeats, device))
             print(f"{name} {budget_name}: done ({time.time() - started:.0f} s)", flush=True)
+            save_json(out, payload(None))  # each row kept, should the run be cut short
     _print(rows)
     verdicts = _verdicts(rows)
     print("\n" + "\n".join(verdicts))
-    payload = {
-        "command": command_line(),
-        "machine": machine,
-        "seconds": round(time.time() - started, 1),
-        "budgets": budgets_seen,
-        "rows": rows,
-        "verdicts": verdicts,
-    }
-    return save_json(Path(args.out) if args.out else result_path("autoconfig" + suffix), payload)
+    return save_json(out, payload(verdicts))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ cell of stage ``j`` takes
 The runtime's costs are constants per kind of device (:data:`OVERHEADS`), measured on the
 runtime itself (``python -m benchmarks.autoconfig --calibrate``): stages of tiny products,
 so that their compute is negligible, 1 and 4 stages, 1 and 32 micro-batches; the CUDA ones
-are the CPU's (the same Python work). The stage costs at each count are priced by
+the same way on a GPU (``--device cuda``). The stage costs at each count are priced by
 :data:`fxpipe.passes.price.roofline.STEP_ROOFLINES`, whose per-kernel cost is measured the
 same way.
 """
@@ -61,12 +61,17 @@ class Overheads:
     bandwidth: float
 
 
-#: Per kind of device (CPU: ``python -m benchmarks.autoconfig --calibrate`` on a 2-core x86
+#: Per kind of device. CPU: ``python -m benchmarks.autoconfig --calibrate`` on a 2-core x86
 #: machine gave 58 us per cell, 285 us per checkpointed cell and 133 us per step, with 17 us
-#: per node and micro-batch, the step roofline's kernel cost).
+#: per node and micro-batch, the step roofline's kernel cost. CUDA: the same with
+#: ``--device cuda`` on one H200 behind a sandboxed host
+#: (``benchmarks/results/autoconfig_calibration_cuda.json``) gave 74 us per cell, 698 us
+#: per checkpointed cell (the CUDA generator's state saved and restored, events recorded)
+#: and 550 us per step, with 78 us per node and micro-batch: host-bound launches, which a
+#: bare-metal host makes cheaper; the figures err towards fewer micro-batches there.
 OVERHEADS: dict[str, Overheads] = {
     "cpu": Overheads(cell=60e-6, checkpointed=285e-6, step=130e-6, bandwidth=float("inf")),
-    "cuda": Overheads(cell=60e-6, checkpointed=285e-6, step=130e-6, bandwidth=20e9),
+    "cuda": Overheads(cell=75e-6, checkpointed=700e-6, step=550e-6, bandwidth=20e9),
 }
 
 
