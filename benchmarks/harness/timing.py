@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Times", "time_interleaved", "ratio_row", "quartiles"]
+__all__ = ["Times", "time_interleaved", "paired_ratio", "ratio_row", "quartiles"]
 
 Times = dict[str, dict[str, list[float]]]
 
@@ -51,6 +51,11 @@ def time_interleaved(
         if r >= warmup + 4 and time.perf_counter() - start > budget_s:
             break
     return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a``'s step over ``b``'s in the same round."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def ratio_row(
