@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import platform
 import statistics
 import time
 import warnings
@@ -59,12 +58,12 @@ import torch
 from torch import nn
 
 import fxpipe
-from benchmarks.harness.machine import library_versions, usable_cores
+from benchmarks.harness.machine import machine_record
 from benchmarks.harness.models.steps import MODELS as STEP_MODELS
 from benchmarks.harness.models.steps import Batch, Loss
 from benchmarks.harness.models.zoo_nets import ResidualMLP, UNet
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
-from benchmarks.harness.timing import time_interleaved
+from benchmarks.harness.timing import paired_ratio, time_interleaved
 from fxpipe.errors import ChunksWarning, MemoryPlanError
 from fxpipe.passes.configure.choose import mode_memory
 
@@ -177,11 +176,6 @@ def _budgets(
     return {"loose": None, "tight": least["always"]}, needs
 
 
-def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
-    """Median over rounds of ``a``'s step over ``b``'s in the same round."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
-
-
 def _measure(
     name: str, build: Build, budget_name: str, budget: int | None, repeats: int, device: str
 ) -> dict[str, Any]:
@@ -258,25 +252,25 @@ def _measure(
         auto_ms=1e3 * median[same],
         auto_own_ms=1e3 * median["auto"],
         auto_measured_as=same,
-        auto_over_best=_paired(wall, same, best),
-        auto_own_over_best=_paired(wall, "auto", best),
+        auto_over_best=paired_ratio(wall, same, best),
+        auto_own_over_best=paired_ratio(wall, "auto", best),
         predicted_ms=1e3 * (choice.step or 0.0),
         prediction_error=(choice.step or 0.0) / median[same] - 1.0,
         best_always=best_always,
-        auto_over_always=_paired(wall, same, best_always) if best_always else None,
+        auto_over_always=paired_ratio(wall, same, best_always) if best_always else None,
         bound=bound,
         bound_over_always=(
-            _paired(wall, bound, f"M={auto.chunks} always")
+            paired_ratio(wall, bound, f"M={auto.chunks} always")
             if bound and f"M={auto.chunks} always" in wall
             else None
         ),
         default=default,
-        auto_over_default=_paired(wall, same, default) if default in wall else None,
+        auto_over_default=paired_ratio(wall, same, default) if default in wall else None,
         predicted_over_always=_predicted_over_always(auto.plan),
         per_stage=combos,
         per_stage_best=min(combos, key=median.__getitem__) if combos else None,
         per_stage_best_over_always=(
-            min(_paired(wall, c, f"M={auto.chunks} always") for c in combos)
+            min(paired_ratio(wall, c, f"M={auto.chunks} always") for c in combos)
             if combos and f"M={auto.chunks} always" in wall
             else None
         ),
@@ -465,10 +459,8 @@ def main() -> int:
     device = str(torch.device(args.device if args.device != "cuda" else "cuda:0"))
     suffix = "" if device == "cpu" else "_cuda"
     machine = {
-        "platform": platform.platform(),
-        "cores": usable_cores(),
+        **machine_record(),
         "device": torch.cuda.get_device_name(device) if suffix else "cpu",
-        **library_versions(("torch", "transformers")),
     }
     if args.calibrate:
         found = calibrate(max(args.repeats, 15), device)

@@ -75,14 +75,11 @@ and the settings go to ``benchmarks/results/distributed.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,7 +93,7 @@ from torch import nn
 
 import fxpipe.distributed as fd
 from benchmarks.harness.output import result_path, save_json
-from benchmarks.harness.processes import free_port
+from benchmarks.harness.processes import on_ranks
 
 WIDTH, HIDDEN, DEPTH, TOKENS, MICRO = 512, 1024, 8, 128, 4
 #: Micro-batches per step by default (``--chunks``); the batch is ``chunks * MICRO`` samples.
@@ -178,32 +175,15 @@ def _replica_loss(out: torch.Tensor, target: torch.Tensor, *, batch: int) -> tor
 
 
 def _rank(
-    rank: int,
-    world: int,
-    port: int,
-    schedule: str,
-    warmup: int,
-    steps: int,
-    out: str,
-    chunks: int,
-) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    rank: int, world: int, schedule: str, warmup: int, steps: int, chunks: int
+) -> dict[str, Any]:
     x, y = _batch(chunks)
     loss, replica_loss = (functools.partial(f, batch=len(x)) for f in (_loss, _replica_loss))
     if schedule == "halves":  # the whole model on this rank's half; nothing sent in a step
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        _timed(rank, warmup, steps, out, lambda: replica_loss(model(x), y).backward(), opt)
-        dist.destroy_process_group()
-        return
+        return _timed(warmup, steps, lambda: replica_loss(model(x), y).backward(), opt)
     if schedule in ("ddp", "fsdp"):  # 1 stage x 2 replicas: half the batch each, whole
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -231,11 +211,8 @@ def _rank(
 
     if schedule.endswith("work"):
         work = _own_work(pipe, step, y.chunk(chunks), loss, split=schedule == "zbv-work")
-        _timed(rank, warmup, steps, out, work, opt)
-        dist.destroy_process_group()
-        return
-    _timed(rank, warmup, steps, out, step, opt, [s.cost for s in pipe.plan.stages])
-    dist.destroy_process_group()
+        return _timed(warmup, steps, work, opt)
+    return _timed(warmup, steps, step, opt, [s.cost for s in pipe.plan.stages])
 
 
 def _own_work(
@@ -290,17 +267,14 @@ def _own_work(
 
 
 def _timed(
-    rank: int,
     warmup: int,
     steps: int,
-    out: str,
     step: Callable[[], Any],
     opt: torch.optim.Optimizer,
     costs: list[float] | None = None,
-) -> None:
+) -> dict[str, Any]:
     """``warmup`` untimed steps, then ``steps`` timed between barriers (``step`` and an
-    optimizer step each); rank 0 writes the slowest rank's wall and CPU seconds per step,
-    and ``costs``, to ``out``."""
+    optimizer step each): the slowest rank's wall and CPU seconds per step, and ``costs``."""
     for i in range(warmup + steps):
         if i == warmup:
             dist.barrier()
@@ -311,25 +285,15 @@ def _timed(
     dist.barrier()
     spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        result = {"step_s": spent[0].item() / steps, "cpu_s": spent[1].item() / steps}
-        Path(out).write_text(json.dumps({**result, "costs": costs or []}))
+    return {"step_s": spent[0].item() / steps, "cpu_s": spent[1].item() / steps,
+            "costs": costs or []}  # fmt: skip
 
 
 def pipelined(
     schedule: str, warmup: int, steps: int, chunks: int, world: int = 2
 ) -> dict[str, Any]:
     """Wall seconds per step and CPU seconds per step of the busiest rank, pipelined."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(
-            _rank,
-            args=(world, port, schedule, warmup, steps, out, chunks),
-            nprocs=world,
-            start_method="spawn",
-        )
-        result: dict[str, Any] = json.loads(Path(out).read_text())
+    result: dict[str, Any] = on_ranks(_rank, world, schedule, warmup, steps, chunks)
     return result
 
 

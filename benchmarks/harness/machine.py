@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cpu_model", "load_average", "library_versions", "usable_cores"]
+__all__ = ["cpu_model", "load_average", "library_versions", "usable_cores", "machine_record"]
 
 
 def cpu_model() -> str:
@@ -40,3 +41,10 @@ def library_versions(names: tuple[str, ...]) -> dict[str, str | None]:
         except ImportError:
             versions[lib] = None
     return versions
+
+
+def machine_record(libraries: tuple[str, ...] = ("torch", "transformers")) -> dict[str, Any]:
+    """What a result records of its machine: the platform, the usable cores, the versions
+    of ``libraries``."""
+    return {"platform": platform.platform(), "cores": usable_cores(),
+            **library_versions(libraries)}  # fmt: skip

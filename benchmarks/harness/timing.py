@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Times", "time_interleaved", "ratio_row", "quartiles"]
+__all__ = ["Times", "time_interleaved", "paired_ratio", "ratio_row", "quartiles"]
 
 Times = dict[str, dict[str, list[float]]]
 
@@ -23,9 +23,12 @@ def time_interleaved(
     *,
     warmup: int = 3,
     budget_s: float = 60.0,
+    sync: Callable[[], None] | None = None,
 ) -> Times:
     """Wall and CPU seconds per step of every variant: one step of each per round, the order
-    flipped every round; stops early (after at least 5 rounds) once ``budget_s`` is spent."""
+    flipped every round; stops early (after at least 5 rounds) once ``budget_s`` is spent.
+    ``sync`` runs before each step, outside its time: a barrier, so that the ranks of a
+    pipeline start every step together (they must then stop alike: ``budget_s=math.inf``)."""
     names = list(variants)
     times: Times = {"wall": {n: [] for n in names}, "cpu": {n: [] for n in names}}
     start = time.perf_counter()
@@ -35,6 +38,8 @@ def time_interleaved(
         try:
             for name in names if r % 2 == 0 else names[::-1]:
                 model.zero_grad(set_to_none=True)
+                if sync is not None:
+                    sync()
                 wall, cpu = time.perf_counter(), time.process_time()
                 variants[name]()
                 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
@@ -46,6 +51,11 @@ def time_interleaved(
         if r >= warmup + 4 and time.perf_counter() - start > budget_s:
             break
     return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``a``'s step over ``b``'s in the same round."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def ratio_row(
