@@ -250,14 +250,95 @@ def _print(rows: list[dict[str, Any]]) -> None:
         )
 
 
+# ------------------------------------------------------------------------------ calibrate
+
+
+class _Tiny(nn.Module):
+    """Products of 4 features: every stage pass and message costs its fixed time alone."""
+
+    def __init__(self, layers: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+#: (schedule, stages per rank, few and many micro-batches), and per micro-batch on a rank:
+#: stage passes (forward, backward; a split backward's two halves count two) and messages
+#: (a send or a receive of one border's values: the looped placement's stages all border
+#: the other rank; a V's tip sends nothing).
+CALIBRATION = {
+    "gpipe": ("gpipe", 1, (1, 32), 2, 2),
+    "loopedbfs": ("loopedbfs", 2, (2, 32), 4, 6),
+    "zbv": ("zbvzerobubble", 2, (4, 32), 6, 4),
+}
+
+
+def calibrate_job(rank: int, world: int, repeats: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    x = torch.randn(64, 4)
+    problem: Problem = (_Tiny(), (x,), {}, torch.zeros(64), lambda out, _: out.pow(2).mean())
+    pipes = {
+        f"{name} M={m}": _build(problem, schedule, m, v)
+        for name, (schedule, v, counts, _, _) in CALIBRATION.items()
+        for m in counts
+    }
+    holder = nn.ModuleList(m for p in pipes.values() for m in p.stage_modules)
+    steps = {label: _step(p, problem) for label, p in pipes.items()}
+    times = time_interleaved(holder, steps, repeats, warmup=3, budget_s=math.inf,
+                             sync=dist.barrier)  # fmt: skip
+    spent = torch.tensor([times["wall"][k] for k in pipes], dtype=torch.float64)
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return {k: spent[i].tolist() for i, k in enumerate(pipes)}
+
+
+def calibrate(repeats: int) -> dict[str, Any]:
+    """The distributed runtime's fixed costs on this machine: per stage pass and per message,
+    fitted (least squares) to each schedule's added time per micro-batch on a model of
+    tiny products."""
+    wall = on_ranks(calibrate_job, WORLD, repeats)
+    median = {k: statistics.median(v) for k, v in wall.items()}
+    rows, added = [], []
+    for name, (_, _, (few, many), passes, messages) in CALIBRATION.items():
+        per = (median[f"{name} M={many}"] - median[f"{name} M={few}"]) / (many - few)
+        rows.append([float(passes), float(messages)])
+        added.append(per)
+    fit = torch.linalg.lstsq(
+        torch.tensor(rows, dtype=torch.float64),
+        torch.tensor(added, dtype=torch.float64).unsqueeze(1),
+    ).solution
+    pass_s, message_s = (float(v) for v in fit.squeeze(1))
+    for (name, (_, _, _, passes, messages)), per in zip(CALIBRATION.items(), added, strict=True):
+        model = passes * pass_s + messages * message_s
+        print(f"{name}: {per * 1e6:.0f} us per micro-batch measured, {model * 1e6:.0f} us fitted "
+              f"({passes} passes, {messages} messages)")  # fmt: skip
+    print(f"runtime costs: {pass_s * 1e6:.0f} us per stage pass, "
+          f"{message_s * 1e6:.0f} us per message")  # fmt: skip
+    return {
+        "pass_s": pass_s,
+        "message_s": message_s,
+        "per_micro_batch_s": dict(zip(CALIBRATION, added, strict=True)),
+        "step_ms": {k: round(1e3 * v, 3) for k, v in median.items()},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--calibrate", action="store_true")
     args = parser.parse_args()
     started = time.time()
+    if args.calibrate:
+        found = calibrate(max(args.repeats, 15))
+        out = Path(args.out) if args.out else result_path("autoconfig_distributed_calibration")
+        payload = {"command": command_line(), "machine": machine_record(), **found}
+        return save_json(out, payload)
     rows = []
     for name in args.models.split(","):
         rows.append(measure(name, args.repeats, args.warmup))

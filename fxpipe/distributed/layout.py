@@ -18,11 +18,15 @@ from torch import nn
 from fxpipe.devices.budgets import parse_amount
 from fxpipe.devices.targets import parse_device
 from fxpipe.distributed.layout_estimate import (
+    NO_RUNTIME_COSTS,
+    RUNTIME_COSTS,
     LayoutEstimate,
+    RuntimeCosts,
     Split,
     estimate,
     priced_model,
     runs,
+    runtime_costs_for,
     stage_split,
 )
 from fxpipe.distributed.layout_table import format_layouts
@@ -41,6 +45,9 @@ from fxpipe.options import check_choice, check_slack
 
 __all__ = [
     "LayoutEstimate",
+    "RuntimeCosts",
+    "RUNTIME_COSTS",
+    "NO_RUNTIME_COSTS",
     "suggest_layout",
     "format_layouts",
     "LAYOUT_SCHEDULES",
@@ -92,6 +99,7 @@ def suggest_layout(
     link_bandwidth: float = DEFAULT_LINK_BANDWIDTH,
     dp_bandwidth: float = DEFAULT_DP_BANDWIDTH,
     device: str | torch.device = "cuda",
+    runtime_costs: RuntimeCosts | None = None,
 ) -> list[LayoutEstimate]:
     """Rank the (pp, dp, virtual, chunks, schedule) layouts of ``model`` over ``world_size``
     ranks by the step time fxpipe predicts and by memory per rank (the formulas are in the
@@ -123,7 +131,10 @@ def suggest_layout(
         link_bandwidth, dp_bandwidth: bytes/s between pipeline neighbours, and per rank in
             the data-parallel ring (default: one 200 Gb/s InfiniBand card each).
         device: the kind of device the ranks are (``"cuda"``, ``"cpu"``), for
-            ``"roofline"`` and ``"time"``.
+            ``"roofline"`` and ``"time"``, and for the runtime's fixed costs.
+        runtime_costs: the runtime's seconds per stage pass and per message between ranks
+            (default: those measured for ``device``'s kind, :data:`RUNTIME_COSTS`;
+            ``NO_RUNTIME_COSTS`` prices the formulas alone).
 
     Returns:
         One :class:`LayoutEstimate` per layout: those that fit ``max_memory`` by step time,
@@ -158,6 +169,7 @@ def suggest_layout(
     asked = cast(TracerName, tracer)  # checked above
     priced = priced_model(model, example_input, example_kwargs, mode, asked, target, device_flops)
     rates = (float(link_bandwidth), float(dp_bandwidth))
+    costs = runtime_costs if runtime_costs is not None else runtime_costs_for(target.type)
     splits: dict[int, Split | None] = {}
     out = []
     refused: dict[tuple[str, str], None] = {}  # (schedule, data_parallel) left out, in order
@@ -173,7 +185,7 @@ def suggest_layout(
                 refused[(schedule, kind)] = None
                 continue
             shape = (pp, dp, v, m)
-            out.append(estimate(found, priced, shape, schedule, checkpoint, rates, kind))
+            out.append(estimate(found, priced, shape, schedule, checkpoint, rates, kind, costs))
     if not out:
         raise ConfigError(_none_found(world_size, priced.batch, splits, chunks, tuple(refused)))
     return _ranked(out, budget)

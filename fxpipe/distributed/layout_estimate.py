@@ -12,9 +12,12 @@ relayed boundary values, as ``fd.pipeline_schedule`` plans it (pass it the same 
 Step time. A stage's cost (FLOP / ``device_flops``, or roofline or profiled seconds) is for
 the whole batch, so one micro-batch takes ``t_j = cost_j / (dp m)`` (the roofline's
 per-kernel and per-weight cost, found by pricing at one and two micro-batches, is added
-once per micro-batch). ``T_r`` sums rank r's stages; ``C_r`` moves the values entering
-them from another rank (activations forward, gradients back, relayed ones included) over
-``link_bandwidth``; ``G_r`` is the bytes of its gradients::
+once per micro-batch), and so is the runtime's own cost per stage pass (:class:`RuntimeCosts`,
+measured per kind of device: 2 passes, forward and backward, or 3 where the backward is
+split). ``T_r`` sums rank r's stages; ``C_r`` moves the values entering them from another
+rank (activations forward, gradients back, relayed ones included) over ``link_bandwidth``,
+and pays the runtime's cost per message, two per micro-batch on each side of every border
+between ranks; ``G_r`` is the bytes of its gradients::
 
     compute   = m * max_r T_r                              busy time of the busiest rank
     bubble    = z (sum_r T_r - max_r T_r) / v              fill and drain
@@ -129,6 +132,10 @@ __all__ = [
     "whole_parameters",
     "estimate",
     "in_flight",
+    "RuntimeCosts",
+    "RUNTIME_COSTS",
+    "NO_RUNTIME_COSTS",
+    "runtime_costs_for",
 ]
 
 #: The part of the fill and drain a schedule leaves idle, with forward, input-gradient and
@@ -136,6 +143,38 @@ __all__ = [
 #: third for the zero-bubble ones, whose torch orders idle only while the first forward
 #: reaches the last rank (the authors' ZB1P, (p - 1) / 3m against 1F1B's (p - 1) / m).
 _IDLE_FILL = {name: 1 / 3 for name in ("interleavedzerobubble", "zbvzerobubble", "dualpipev")}
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """The distributed runtime's fixed costs on one kind of device, in seconds."""
+
+    #: Per stage pass: a forward, a backward, or either half of a split backward (torch's
+    #: schedule running one action, fxpipe's stage wrapper around the stage's graph).
+    pass_s: float
+    #: Per point-to-point message: a send or a receive of one border's values for one
+    #: micro-batch (posting it and waiting for it, besides its bytes over the link).
+    message_s: float
+
+
+#: Per kind of device. CPU (gloo): ``python -m benchmarks.autoconfig_distributed
+#: --calibrate`` on a 2-core x86 machine, 2 processes, stages of tiny products, fitted to
+#: GPipe's, looped BFS's and ZBV's added time per micro-batch (1.56, 4.12 and 3.76 ms, fitted
+#: within 1%): 304 us per pass, 484 us per message. CUDA (NCCL), not measured: a pass is the
+#: same host work, and a message NCCL's small-message latency with the posting and the wait
+#: around it, some tens of microseconds.
+RUNTIME_COSTS: Mapping[str, RuntimeCosts] = {
+    "cpu": RuntimeCosts(pass_s=300e-6, message_s=480e-6),
+    "cuda": RuntimeCosts(pass_s=300e-6, message_s=50e-6),
+}
+#: No fixed costs: the formulas alone (what :func:`estimate` defaults to).
+NO_RUNTIME_COSTS = RuntimeCosts(pass_s=0.0, message_s=0.0)
+
+
+def runtime_costs_for(device_type: str) -> RuntimeCosts:
+    """The distributed runtime's costs on a kind of device (a GPU's for any kind but the
+    CPU)."""
+    return RUNTIME_COSTS.get(device_type, RUNTIME_COSTS["cuda"])
 
 
 @dataclass(frozen=True)
@@ -342,14 +381,21 @@ def estimate(
     checkpoint: str,
     rates: tuple[float, float],
     data_parallel: str = "ddp",
+    costs: RuntimeCosts = NO_RUNTIME_COSTS,
 ) -> LayoutEstimate:
     pp, dp, v, m = shape
     ranks = placement(schedule, pp, v)
     rank_of = ranks_of(schedule, pp, v)
     share = 1.0 / (dp * m)  # of the global batch, per micro-batch
-    t = [s * share + f for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]
-    sends = [  # nothing crosses a border between two stages of one rank
-        b * share / rates[0] if j > 0 and rank_of[j] != rank_of[j - 1] else 0.0
+    passes = 3 if schedule in SPLIT_BACKWARD else 2
+    t = [s * share + f + passes * costs.pass_s
+         for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]  # fmt: skip
+    k = len(rank_of)
+    crosses = [j > 0 and rank_of[j] != rank_of[j - 1] for j in range(k)]  # border j-1 | j
+    sends = [  # nothing crosses a border between two stages of one rank; a crossing border
+        # costs its bytes on the receiving side, two messages on each (values, gradients)
+        (b * share / rates[0] if crosses[j] else 0.0)
+        + 2 * costs.message_s * (crosses[j] + (j + 1 < k and crosses[j + 1]))
         for j, b in enumerate(split.received)
     ]
     busy = [sum(t[j] for j in js) for js in ranks]

@@ -117,6 +117,49 @@ def test_balanced_stages_give_megatrons_bubble() -> None:
         assert e.bubble == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("loopedbfs", 2), ("zbvzerobubble", 2)])
+# (virtual= is the looped schedules' stages per rank; GPipe's is 1 whatever it says)
+def test_runtime_costs_add_per_pass_and_per_message(schedule: str, v: int) -> None:
+    """Balanced ranks, costs of 1 ms per stage pass and 10 ms per message: each rank's
+    micro-batch takes ``passes x 1 ms + messages x 10 ms`` more (GPipe 2 passes and 2
+    messages, looped BFS at 2 stages per rank 4 and 6, ZBV 6 and 4: the counts its
+    calibration fits), paid ``m`` times plus once in the fill's idle share."""
+    x = torch.randn(16, 64)
+    costs = layout_estimate.RuntimeCosts(pass_s=1e-3, message_s=10e-3)
+    free, priced = (
+        {(e.schedule, e.chunks): e for e in fd.suggest_layout(
+            _chain(), x, 2, schedules=[schedule], virtual=[2], runtime_costs=c) if e.pp == 2}
+        for c in (layout_estimate.NO_RUNTIME_COSTS, costs)
+    )  # fmt: skip
+    passes, messages = {"gpipe": (2, 2), "loopedbfs": (4, 6), "zbvzerobubble": (6, 4)}[schedule]
+    per = passes * 1e-3 + messages * 10e-3
+    assert free.keys() == priced.keys() and free
+    for key, e in priced.items():
+        idle = IDLE.get(schedule, 1.0) / v
+        added = e.chunks * per + idle * per  # two ranks: the fill pays the other one once
+        assert e.step_s - free[key].step_s == pytest.approx(added, rel=1e-9)
+        assert e.rank_s[0] - free[key].rank_s[0] == pytest.approx(passes * 1e-3, rel=1e-9)
+
+
+def test_the_default_runtime_costs_are_the_devices_kinds() -> None:
+    x = torch.randn(16, 64)
+    kinds = {
+        device: fd.suggest_layout(
+            _chain(), x, 2, schedules=["gpipe"], device=device, cost="flops"
+        )  # fmt: skip
+        for device in ("cpu", "cuda")
+    }
+    for device, layouts in kinds.items():
+        given = fd.suggest_layout(
+            _chain(), x, 2, schedules=["gpipe"], device=device, cost="flops",
+            runtime_costs=layout_estimate.runtime_costs_for(device),
+        )  # fmt: skip
+        assert [e.step_s for e in layouts] == [e.step_s for e in given]
+    cpu = {(e.pp, e.chunks): e.step_s for e in kinds["cpu"]}
+    cuda = {(e.pp, e.chunks): e.step_s for e in kinds["cuda"]}
+    assert all(cpu[k] > cuda[k] for k in cpu if k[0] == 2)  # gloo's messages cost more
+
+
 def test_more_memory_fits_at_least_as_many_layouts() -> None:
     memories = sorted(e.memory_bytes for e in _layouts())
     budgets = (1, memories[len(memories) // 2], memories[-1])
@@ -296,7 +339,8 @@ def test_zbv_places_a_v_and_sends_nothing_at_its_tip() -> None:
     assert placement("interleaved1f1b", 4, 2) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     x = torch.randn(16, 64)
     slow = fd.suggest_layout(_chain(), x, 2, schedules=ZERO_BUBBLE, virtual=2, chunks=4,
-                             link_bandwidth=1e3)  # fmt: skip
+                             link_bandwidth=1e3,
+                             runtime_costs=layout_estimate.NO_RUNTIME_COSTS)  # fmt: skip
     sent = {e.schedule: e.p2p_s for e in slow}
     assert set(sent) == set(ZERO_BUBBLE)
     # each border of the chain carries one micro-batch of 4 rows x 64 float32 each way
