@@ -16,8 +16,9 @@ once per micro-batch), and so is the runtime's own cost per stage pass (:class:`
 measured per kind of device: 2 passes, forward and backward, or 3 where the backward is
 split). ``T_r`` sums rank r's stages; ``C_r`` moves the values entering them from another
 rank (activations forward, gradients back, relayed ones included) over ``link_bandwidth``,
-and pays the runtime's cost per message, two per micro-batch on each side of every border
-between ranks; ``G_r`` is the bytes of its gradients::
+and pays the runtime's cost per message on each side of every border between ranks: one
+per value crossing it per micro-batch, one more where its gradient comes back; ``G_r`` is
+the bytes of its gradients::
 
     compute   = m * max_r T_r                              busy time of the busiest rank
     bubble    = z (sum_r T_r - max_r T_r) / v              fill and drain
@@ -48,20 +49,23 @@ equal passes (``tests/distributed/test_layout.py`` does it for every schedule he
 the same third for all three zero-bubble schedules: interleaved zero bubble (ZB1P looped
 over ``v`` stages per rank), ZBV and DualPipeV idle only while the first micro-batch's
 forward reaches the last rank, ``p - 1`` forward passes of the ``3 v m`` a rank runs (the
-authors' comparison lists ZBV with no bubble; torch's ZBV order idles that fill too). So the fill
-term above is multiplied by ``z = 1/3`` for them. ZBV and DualPipeV place ``2 pp`` stages in
-a V (rank r holds r and ``2 pp - 1 - r``: the border at the V's tip sends nothing); ZBV
-needs ``m >= 2 pp - 1`` micro-batches (its count to fill the V), DualPipeV ``m >= 2 pp``
-(one per stage, torch's check). DualPipeV runs a forward and a backward of the V's two
-stages together (DeepSeek-V3's overlap of computation with communication), which this model
-does not price: its passes run one after the other, as on one CPU thread. A backward
-computed in two passes costs more than in one where its kernels run apart (on one CPU thread
-here, 4-15% more time for a rank's work under ZBV than under GPipe:
-``benchmarks/distributed.py``); that is not priced either. With replicas the zero-bubble
-schedules run under FSDP only, as ``fd.pipeline_schedule`` decides: the others are left
-out. FSDP leaves a weight two stages of one rank read (a tied embedding and head on a V's
-first rank) whole on each replica (on a torch whose ``fully_shard`` cannot, such layouts
-are left out too).
+authors' comparison lists ZBV with no bubble; torch's ZBV order idles that fill too). So the
+fill term above is multiplied by ``z = 1/3`` for them where every pass is a matrix product;
+where element-wise work has no weight part to fill the bubble with,
+``z = (F + B - W) / (F + B + W)``, the authors' ZB-H1 bubble over 1F1B's, ``W`` the weight
+parts' share of the cost (a third of every node that multiplies by a weight matrix;
+:func:`idle_fill`). ZBV and DualPipeV place ``2 pp`` stages in a V (rank r holds r and
+``2 pp - 1 - r``: the border at the V's tip sends nothing); ZBV needs ``m >= 2 pp - 1``
+micro-batches (its count to fill the V), DualPipeV ``m >= 2 pp`` (one per stage, torch's
+check). DualPipeV runs a forward and a backward of the V's two stages together
+(DeepSeek-V3's overlap of computation with communication), which this model does not price:
+its passes run one after the other, as on one CPU thread. A backward computed in two passes
+costs more than in one where its kernels run apart (on one CPU thread here, 4-15% more time
+for a rank's work under ZBV than under GPipe: ``benchmarks/distributed.py``); that is not
+priced either. With replicas the zero-bubble schedules run under FSDP only, as
+``fd.pipeline_schedule`` decides: the others are left out. FSDP leaves a weight two stages
+of one rank read (a tied embedding and head on a V's first rank) whole on each replica (on a
+torch whose ``fully_shard`` cannot, such layouts are left out too).
 
 Memory per rank, in training: :func:`fxpipe.passes.split.plan.stage_memory` of each of its
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
@@ -91,6 +95,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import networkx as nx
@@ -132,17 +137,25 @@ __all__ = [
     "whole_parameters",
     "estimate",
     "in_flight",
+    "idle_fill",
     "RuntimeCosts",
     "RUNTIME_COSTS",
     "NO_RUNTIME_COSTS",
     "runtime_costs_for",
 ]
 
-#: The part of the fill and drain a schedule leaves idle, with forward, input-gradient and
-#: weight-gradient passes of equal time: 1 for the schedules that do not split backward; a
-#: third for the zero-bubble ones, whose torch orders idle only while the first forward
-#: reaches the last rank (the authors' ZB1P, (p - 1) / 3m against 1F1B's (p - 1) / m).
-_IDLE_FILL = {name: 1 / 3 for name in ("interleavedzerobubble", "zbvzerobubble", "dualpipev")}
+
+def idle_fill(schedule: str, weight_share: float) -> float:
+    """The part of the fill and drain ``schedule`` leaves idle: 1 for the schedules that do
+    not split backward; for the zero-bubble ones, what the weight passes cannot fill,
+    ``(F + B - W) / (F + B + W)`` (the authors' ZB-H1 bubble, (p - 1)(T_F + T_B - T_W),
+    over 1F1B's), with ``W`` the weight-gradient share of a pass's forward + backward
+    (``weight_share``): a third, the ZB1P ``(p - 1) / 3m`` against ``(p - 1) / m``, where
+    every node is a matrix product (forward, input and weight parts of equal time), more
+    where element-wise work has no weight part to fill with."""
+    if schedule not in SPLIT_BACKWARD:
+        return 1.0
+    return min(max(1.0 - 2.0 * weight_share, 1.0 / 3.0), 1.0)
 
 
 @dataclass(frozen=True)
@@ -216,6 +229,9 @@ class LayoutEstimate:
     cost: PricingMode = "flops"
     tracer: TracerName = "auto"
     slack: float = 0.0
+    #: The part of the fill and drain left idle: 1, less for the zero-bubble schedules
+    #: (:func:`idle_fill`).
+    fill: float = 1.0
 
     @property
     def stages(self) -> int:
@@ -280,6 +296,13 @@ class Split:
     sizes: Mapping[int, int]
     #: The slack the split was made with.
     slack: float
+    #: Share of the stages' cost that a split backward's weight part computes: a third of
+    #: the cost of every node that reads a Parameter (a product's weight gradient is one of
+    #: its three products), over the whole cost.
+    weight_share: float
+    #: Per stage: the values entering it (relayed ones included), each counted twice where
+    #: a gradient goes back: the messages a border before it carries per micro-batch.
+    messages: tuple[int, ...]
 
 
 def priced_model(
@@ -332,16 +355,44 @@ def stage_split(priced: Priced, k: int, checkpoint: CheckpointMode, slack: float
                       checkpoint=checkpoint)  # fmt: skip
     fixed = [sum(priced.fixed.get(n, 0.0) for n in s.nodes) * priced.seconds for s in plan.stages]
     scaled = [s.cost * priced.seconds - f for s, f in zip(plan.stages, fixed, strict=True)]
-    received = [0] * k
+    received, messages = [0] * k, [0] * k
     for e in plan.edges:
-        size = e.bytes * (2 if costs.nodes[e.value].requires_grad else 1)
+        ways = 2 if costs.nodes[e.value].requires_grad else 1
         for j in range(e.producer + 1, max(e.consumers) + 1):
-            received[j] += size
+            received[j] += e.bytes * ways
+            messages[j] += ways
     shared = replicated_attrs(gm)
     held = [stage_parameters(gm, s.nodes, shared) for s in plan.stages]
     params = tuple(frozenset(map(id, ps)) for ps in held)
     sizes = {id(p): p.numel() * p.element_size() for ps in held for p in ps}
-    return Split(plan, tuple(scaled), tuple(fixed), tuple(received), params, sizes, slack)
+    share = _weight_share(gm, costs)
+    return Split(plan, tuple(scaled), tuple(fixed), tuple(received), params, sizes, slack, share,
+                 tuple(messages))  # fmt: skip
+
+
+def _weight_share(gm: torch.fx.GraphModule, costs: CostTable) -> float:
+    """A third of the cost of the nodes that multiply by a weight matrix (a module holding
+    a Parameter of two or more dimensions, or such a Parameter fetched among their inputs:
+    products, convolutions, embeddings; a norm's scale and a bias have element-wise
+    gradients), over the cost of all nodes."""
+
+    def matrix(n: torch.fx.Node) -> bool:
+        if n.op == "call_module":
+            held = gm.get_submodule(str(n.target)).parameters(recurse=False)
+            return any(p.dim() >= 2 for p in held)
+        if n.op == "get_attr":
+            value = attrgetter(str(n.target))(gm)
+            return isinstance(value, torch.Tensor) and value.requires_grad and value.dim() >= 2
+        return False
+
+    total = weights = 0.0
+    for n in gm.graph.nodes:
+        cost = costs.nodes[n.name].cost if n.name in costs.nodes else 0.0
+        total += cost
+        fetched = (a for a in n.all_input_nodes if a.op == "get_attr")
+        if n.op != "get_attr" and (matrix(n) or any(map(matrix, fetched))):
+            weights += cost / 3.0
+    return weights / total if total > 0 else 1.0 / 3.0
 
 
 def ranks_of(schedule: str, pp: int, v: int) -> tuple[int, ...]:
@@ -392,15 +443,19 @@ def estimate(
          for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]  # fmt: skip
     k = len(rank_of)
     crosses = [j > 0 and rank_of[j] != rank_of[j - 1] for j in range(k)]  # border j-1 | j
-    sends = [  # nothing crosses a border between two stages of one rank; a crossing border
-        # costs its bytes on the receiving side, two messages on each (values, gradients)
-        (b * share / rates[0] if crosses[j] else 0.0)
-        + 2 * costs.message_s * (crosses[j] + (j + 1 < k and crosses[j + 1]))
+    # messages per micro-batch over the border before each stage (each value forward, each
+    # gradient back), paid on both sides; nothing crosses a border inside one rank
+    inbound = [n if crosses[j] else 0 for j, n in enumerate(split.messages)]
+    outbound = [*inbound[1:], 0]
+    sends = [
+        (b * share / rates[0] if crosses[j] else 0.0)  # bytes: on the receiving side
+        + costs.message_s * (inbound[j] + outbound[j])
         for j, b in enumerate(split.received)
     ]
     busy = [sum(t[j] for j in js) for js in ranks]
     with_sends = [b + sum(sends[j] for j in js) for b, js in zip(busy, ranks, strict=True)]
-    idle = _IDLE_FILL.get(schedule, 1.0) / v
+    fill = idle_fill(schedule, split.weight_share)
+    idle = fill / v
     compute = m * max(busy)
     bubble = idle * (sum(busy) - max(busy))
     pipeline = m * max(with_sends) + idle * (sum(with_sends) - max(with_sends))
@@ -430,6 +485,7 @@ def estimate(
         cost=priced.mode,
         tracer=priced.tracer,
         slack=split.slack,
+        fill=fill,
     )
 
 

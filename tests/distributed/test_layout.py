@@ -15,6 +15,7 @@ from models import ZOO, ResidualMLP
 from torch import nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
+import fxpipe
 import fxpipe.distributed as fd
 from fxpipe.distributed import layout_estimate
 from fxpipe.distributed.layout import DEFAULT_DP_BANDWIDTH, LAYOUT_SCHEDULES, format_layouts
@@ -93,7 +94,8 @@ def test_terms_match_the_formulas() -> None:
         busiest, total = max(e.rank_s), sum(e.rank_s)
         assert len(e.rank_s) == e.pp
         assert e.compute_s == pytest.approx(e.chunks * busiest, rel=1e-12)
-        idle = IDLE.get(e.schedule, 1.0) / e.virtual
+        assert e.fill == layout_estimate.idle_fill(e.schedule, _weight_share())
+        idle = e.fill / e.virtual
         assert e.bubble_s == pytest.approx(idle * (total - busiest), rel=1e-12, abs=1e-18)
         assert e.bubble == pytest.approx(e.bubble_s / e.compute_s, rel=1e-12)
         # unequal ranks: the others take less than the busiest, so at most (p - 1) / (v m)
@@ -103,6 +105,38 @@ def test_terms_match_the_formulas() -> None:
         assert e.p2p_s >= 0 and e.allreduce_s >= 0
         assert (e.p2p_s == 0) == (e.pp == 1)
         assert (e.allreduce_s == 0) == (e.dp == 1)
+
+
+def _weight_share() -> float:
+    """The MLP's weight-gradient share, written out: a third of its Linear layers' cost (its
+    LayerNorms' scales have element-wise gradients)."""
+    x = torch.randn(BATCH, 32)
+    plan = fxpipe.plan(_mlp(), x, ["meta"], cost="flops", tracer="fx")
+    costs = plan.node_cost
+    linear = sum(c for n, c in costs.items() if n in _linear_nodes())
+    return linear / 3 / sum(costs.values())
+
+
+@cache
+def _linear_nodes() -> frozenset[str]:
+    gm = torch.fx.symbolic_trace(_mlp())
+    modules = dict(gm.named_modules())
+    return frozenset(
+        n.name for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(modules[n.target], nn.Linear)
+    )  # fmt: skip
+
+
+def test_zero_bubble_fill_is_what_the_weight_parts_cannot_cover() -> None:
+    """ZB-H1's bubble (Qi et al. 2024), (p - 1)(F + B - W) over 1F1B's (p - 1)(F + B + W):
+    a third where every node is a product, more where element-wise nodes leave the weight
+    parts less to fill with; 1 for the schedules that do not split backward."""
+    assert layout_estimate.idle_fill("zbvzerobubble", 1 / 3) == pytest.approx(1 / 3)
+    assert layout_estimate.idle_fill("dualpipev", 0.2) == pytest.approx(0.6)
+    assert layout_estimate.idle_fill("interleavedzerobubble", 0.0) == 1.0
+    assert layout_estimate.idle_fill("1f1b", 1 / 3) == 1.0
+    mlp = {e.fill for e in _layouts() if e.schedule in ZERO_BUBBLE}
+    assert len(mlp) == 1 and 1 / 3 < mlp.pop() < 1  # LayerNorm, GELU, residual adds
 
 
 def test_balanced_stages_give_megatrons_bubble() -> None:
