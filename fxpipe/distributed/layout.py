@@ -21,6 +21,7 @@ from fxpipe.distributed.layout_estimate import (
     NO_RUNTIME_COSTS,
     RUNTIME_COSTS,
     LayoutEstimate,
+    Priced,
     RuntimeCosts,
     Split,
     estimate,
@@ -30,6 +31,7 @@ from fxpipe.distributed.layout_estimate import (
     stage_split,
 )
 from fxpipe.distributed.layout_table import format_layouts
+from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
 from fxpipe.distributed.options import (
     SCHEDULES,
     V_SHAPED,
@@ -42,6 +44,7 @@ from fxpipe.distributed.options import (
 from fxpipe.errors import ConfigError
 from fxpipe.ir import CHECKPOINT_MODES, TRACERS, CheckpointMode, PricingMode, TracerName
 from fxpipe.options import check_choice, check_slack
+from fxpipe.passes.partition.cost_graph import to_networkx
 
 __all__ = [
     "LayoutEstimate",
@@ -56,6 +59,7 @@ __all__ = [
     "DEFAULT_DEVICE_FLOPS",
     "DEFAULT_LINK_BANDWIDTH",
     "DEFAULT_DP_BANDWIDTH",
+    "DEFAULT_TP_BANDWIDTH",
 ]
 
 #: Schedules ranked: ``fd.pipeline_schedule``'s, in lower case.
@@ -100,10 +104,13 @@ def suggest_layout(
     dp_bandwidth: float = DEFAULT_DP_BANDWIDTH,
     device: str | torch.device = "cuda",
     runtime_costs: RuntimeCosts | None = None,
+    tensor_parallel: int | Sequence[int] = 1,
+    tp_bandwidth: float = DEFAULT_TP_BANDWIDTH,
 ) -> list[LayoutEstimate]:
-    """Rank the (pp, dp, virtual, chunks, schedule) layouts of ``model`` over ``world_size``
-    ranks by the step time fxpipe predicts and by memory per rank (the formulas are in the
-    docstring of :mod:`fxpipe.distributed.layout_estimate`). Compile only: nothing runs on a
+    """Rank the (pp, dp, tp, virtual, chunks, schedule) layouts of ``model`` over
+    ``world_size`` ranks by the step time fxpipe predicts and by memory per rank (the
+    formulas are in the docstrings of :mod:`fxpipe.distributed.layout_estimate` and, for
+    ``tp``, :mod:`fxpipe.distributed.layout_tensor`). Compile only: nothing runs on a
     device; a model on ``meta`` works.
 
     Args:
@@ -132,6 +139,11 @@ def suggest_layout(
             the data-parallel ring (default: one 200 Gb/s InfiniBand card each).
         device: the kind of device the ranks are (``"cuda"``, ``"cpu"``), for
             ``"roofline"`` and ``"time"``, and for the runtime's fixed costs.
+        tensor_parallel: the tensor-parallel sizes ``tp`` to try (each dividing
+            ``world_size``; ``pp * dp * tp`` ranks): the model's own plan over ``tp`` ranks
+            (:func:`fxpipe.passes.tensor.plan.tensor_plan`) divides what it cuts.
+        tp_bandwidth: bytes/s each rank moves to the others of its ``tp`` group (default:
+            an A100's NVLink, 300 GB/s each way).
         runtime_costs: the runtime's seconds per stage pass and per message between ranks
             (default: those measured for ``device``'s kind, :data:`RUNTIME_COSTS`;
             ``NO_RUNTIME_COSTS`` prices the formulas alone).
@@ -147,12 +159,18 @@ def suggest_layout(
             and the remedy (``DeviceError`` for a ``device`` that is malformed or, with
             ``cost="time"``, absent).
     """
-    why = ": the ranks in all, pipeline ranks x data-parallel replicas"
+    why = ": the ranks in all, pipeline ranks x data-parallel replicas x tensor-parallel ranks"
     check_count("world_size", world_size, why=why)
     names = check_each("schedules", schedules, check_schedule)
     kinds = check_each("data_parallel", data_parallel, _data_parallel)
     loops = _counts("virtual", virtual, least=2)
     wanted = None if chunks is None else _counts("chunks", chunks, least=1)
+    tps = _counts("tensor_parallel", tensor_parallel, least=1)
+    if any(world_size % t for t in tps):
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel!r}: each size must divide world_size="
+            f"{world_size} (pp x dp x tp ranks); give divisors of {world_size}"
+        )
     check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
     check_choice("tracer", tracer, TRACERS)
     check_choice("cost", cost, tuple(_PRICING))
@@ -161,6 +179,7 @@ def suggest_layout(
         ("device_flops", device_flops),
         ("link_bandwidth", link_bandwidth),
         ("dp_bandwidth", dp_bandwidth),
+        ("tp_bandwidth", tp_bandwidth),
     ):
         _check_rate(name, value)
     budget = None if max_memory is None else _budget(max_memory)
@@ -170,25 +189,40 @@ def suggest_layout(
     priced = priced_model(model, example_input, example_kwargs, mode, asked, target, device_flops)
     rates = (float(link_bandwidth), float(dp_bandwidth))
     costs = runtime_costs if runtime_costs is not None else runtime_costs_for(target.type)
-    splits: dict[int, Split | None] = {}
+    splits: dict[tuple[int, int], Split | None] = {}
     out = []
     refused: dict[tuple[str, str], None] = {}  # (schedule, data_parallel) left out, in order
-    for pp, dp, v, m, schedule in _candidates(world_size, priced.batch, names, loops, wanted):
-        k = pp * v
-        if k not in splits:
-            splits[k] = stage_split(priced, k, checkpoint, slack)
-        found = splits[k]
-        for kind in kinds if dp > 1 else ("ddp",):
-            if found is None:
-                continue
-            if not runs(found, schedule, pp, v, dp, kind):
-                refused[(schedule, kind)] = None
-                continue
-            shape = (pp, dp, v, m)
-            out.append(estimate(found, priced, shape, schedule, checkpoint, rates, kind, costs))
+    for tp in tps:
+        per = _tensor_parallel(priced, tp, float(tp_bandwidth))
+        layouts = _candidates(world_size // tp, priced.batch, names, loops, wanted)
+        for pp, dp, v, m, schedule in layouts:
+            k = pp * v
+            if (tp, k) not in splits:
+                splits[(tp, k)] = stage_split(per, k, checkpoint, slack)
+            found = splits[(tp, k)]
+            for kind in kinds if dp > 1 else ("ddp",):
+                if found is None:
+                    continue
+                if not runs(found, schedule, pp, v, dp, kind):
+                    refused[(schedule, kind)] = None
+                    continue
+                shape = (pp, dp, v, m)
+                one = estimate(found, per, shape, schedule, checkpoint, rates, kind, costs)
+                out.append(replace(one, tp=tp))
     if not out:
-        raise ConfigError(_none_found(world_size, priced.batch, splits, chunks, tuple(refused)))
+        by_count = {k: s for (t, k), s in splits.items() if t == tps[0]}
+        raise ConfigError(_none_found(world_size, priced.batch, by_count, chunks, tuple(refused)))
     return _ranked(out, budget)
+
+
+def _tensor_parallel(priced: Priced, tp: int, bandwidth: float) -> Priced:
+    """``priced`` as one rank of ``tp`` runs it (itself for ``tp == 1``)."""
+    if tp == 1:
+        return priced
+    traced = priced.traced
+    costs, _ = tensor_costs(traced.graph_module, traced.example_values, priced.costs, tp,
+                            bandwidth=bandwidth, seconds=priced.seconds)  # fmt: skip
+    return replace(priced, costs=costs, graph=to_networkx(traced.graph_module, costs))
 
 
 # ---------------------------------------------------------------------------- options
@@ -273,8 +307,8 @@ def _ranked(layouts: list[LayoutEstimate], budget: int | None) -> list[LayoutEst
     return fit + rest
 
 
-def _tie(e: LayoutEstimate) -> tuple[int, int, int, str, str]:
-    return e.pp, e.virtual, e.chunks, e.schedule, e.data_parallel
+def _tie(e: LayoutEstimate) -> tuple[int, int, int, int, str, str]:
+    return e.tp, e.pp, e.virtual, e.chunks, e.schedule, e.data_parallel
 
 
 def _none_found(

@@ -194,7 +194,7 @@ def runtime_costs_for(device_type: str) -> RuntimeCosts:
 class LayoutEstimate:
     """One layout and what fxpipe's cost model predicts for one training step of it."""
 
-    #: Pipeline ranks, data-parallel replicas (``pp * dp`` is the world size).
+    #: Pipeline ranks, data-parallel replicas (``pp * dp * tp`` is the world size).
     pp: int
     dp: int
     #: Stages per pipeline rank (1 for GPipe and 1F1B).
@@ -232,6 +232,9 @@ class LayoutEstimate:
     #: The part of the fill and drain left idle: 1, less for the zero-bubble schedules
     #: (:func:`idle_fill`).
     fill: float = 1.0
+    #: Tensor-parallel ranks each stage's work is cut over (``tensor_parallel="auto"`` on a
+    #: mesh with a ``"tp"`` dimension of this size; the step and memory are one rank's).
+    tp: int = 1
 
     @property
     def stages(self) -> int:

@@ -1,0 +1,124 @@
+"""fxpipe.distributed.layout_tensor and suggest_layout's ``tensor_parallel``: a rank's costs
+under the model's own tensor-parallel plan, written out again from the plan here, and the
+(pp, dp, tp) layouts ranked with them."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from models import TinyGPT
+from torch import nn
+
+import fxpipe.distributed as fd
+from fxpipe.distributed import layout_estimate
+from fxpipe.distributed.layout_tensor import tensor_costs
+from fxpipe.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, BATCH, LENGTH, BANDWIDTH = 128, 8, 16, 1e9
+
+
+def _toy(heads: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return TinyGPT(vocab=VOCAB, width=16 * heads, heads=heads, layers=2, p=0.0)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+@cache
+def _priced(heads: int = 4) -> layout_estimate.Priced:
+    return layout_estimate.priced_model(
+        _toy(heads), (_ids(),), None, "flops", "auto", torch.device("cuda"), 1.0
+    )
+
+
+def test_a_ranks_costs_are_cut_where_the_plan_cuts() -> None:
+    """Every cut node costs 1 / tp, plus its collectives (ring all-reduce of a row-wise
+    output forward and back, of a vocabulary lookup forward; the head's logits gathered and
+    its input's gradient all-reduced) over the bandwidth; a cut Parameter is held 1 / tp."""
+    priced, tp = _priced(), 2
+    gm = priced.traced.graph_module
+    costs, plan = tensor_costs(gm, priced.traced.example_values, priced.costs, tp,
+                               bandwidth=BANDWIDTH, seconds=1e-12)  # fmt: skip
+    assert plan.groups and set(plan.node_styles.values()) >= {"colwise", "rowwise"}
+    ring = 2 * (tp - 1) / tp
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name, before in priced.costs.nodes.items():
+        after = costs.nodes[name]
+        cut = name in plan.layouts or name in plan.node_styles
+        share = before.cost / tp if cut else before.cost
+        style = plan.node_styles.get(name)
+        moved = 0.0
+        if style == "rowwise":
+            moved = 2 * ring * before.output_bytes
+        elif style == "vocab":
+            moved = ring * before.output_bytes
+        elif style == "gathered":
+            hidden = priced.costs.nodes[nodes[name].all_input_nodes[0].name].output_bytes
+            moved = (tp - 1) / tp * before.output_bytes + ring * hidden
+        assert after.cost == pytest.approx(share + moved / BANDWIDTH / 1e-12), name
+        assert after.saved_bytes == (before.saved_bytes // tp if cut else before.saved_bytes)
+    whole = dict(gm.named_parameters())
+    cut_bytes = sum(
+        whole[p.name].numel() * whole[p.name].element_size() // (tp if p.shard else 1)
+        for p in plan.params.values()
+    )
+    assert sum(c.param_bytes for c in costs.nodes.values()) == cut_bytes
+    assert cut_bytes < sum(c.param_bytes for c in priced.costs.nodes.values())
+
+
+def test_layouts_span_pp_dp_tp_and_a_tp_rank_holds_and_computes_less() -> None:
+    model, ids = _toy(), _ids()
+    layouts = fd.suggest_layout(model, (ids,), 4, tensor_parallel=(1, 2, 4),
+                                schedules=["gpipe"], chunks=[2])  # fmt: skip
+    shapes = {(e.pp, e.dp, e.tp) for e in layouts}
+    assert {e.tp for e in layouts} == {1, 2, 4}
+    assert all(pp * dp * tp == 4 for pp, dp, tp in shapes)
+    header, _, *lines = fd.format_layouts(layouts).splitlines()
+    assert header.split()[:3] == ["pp", "dp", "tp"]
+    assert [line.split()[2] for line in lines] == [str(e.tp) for e in layouts]
+    one, two = (
+        fd.suggest_layout(
+            model,
+            (ids,),
+            tp,
+            tensor_parallel=tp,
+            schedules=["gpipe"],
+            chunks=[2],
+            runtime_costs=layout_estimate.NO_RUNTIME_COSTS,
+            tp_bandwidth=1e18,  # the compute alone: no fixed costs, no waits
+        )[0]
+        for tp in (1, 2)
+    )
+    assert (one.pp, one.dp, one.tp) == (1, 1, 1) and (two.pp, two.dp, two.tp) == (1, 1, 2)
+    assert two.memory_bytes < one.memory_bytes
+    # the cut half, plus what stays whole (norms, embeddings' positions) and the collectives
+    assert one.compute_s / 2 < two.compute_s < one.compute_s
+
+
+def test_an_odd_head_count_leaves_attention_whole() -> None:
+    """Three heads over tp = 2: the planner leaves each attention whole (said in its plan),
+    so a rank computes more than half, and still holds less (the MLPs and the vocabulary
+    are cut)."""
+    priced = _priced(heads=3)
+    gm = priced.traced.graph_module
+    costs, plan = tensor_costs(gm, priced.traced.example_values, priced.costs, 2,
+                               bandwidth=BANDWIDTH, seconds=1.0)  # fmt: skip
+    assert {g.kind for g in plan.groups} >= {"mlp"} and "attention" not in {
+        g.kind for g in plan.groups
+    }
+    assert plan.replicated  # the reasons are kept
+    total = sum(c.cost for c in priced.costs.nodes.values())
+    assert total / 2 < sum(c.cost for c in costs.nodes.values()) < total
+
+
+def test_tensor_parallel_sizes_must_divide_the_world() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel=3.*divide world_size=8"):
+        fd.suggest_layout(_toy(), (_ids(),), 8, tensor_parallel=3)
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        fd.suggest_layout(_toy(), (_ids(),), 8, tensor_parallel=0)
