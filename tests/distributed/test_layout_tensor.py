@@ -13,6 +13,7 @@ from torch import nn
 
 import fxpipe.distributed as fd
 from fxpipe.distributed import layout_estimate
+from fxpipe.distributed.layout import format_layouts
 from fxpipe.distributed.layout_tensor import tensor_costs
 from fxpipe.errors import ConfigError
 
@@ -79,7 +80,7 @@ def test_layouts_span_pp_dp_tp_and_a_tp_rank_holds_and_computes_less() -> None:
     shapes = {(e.pp, e.dp, e.tp) for e in layouts}
     assert {e.tp for e in layouts} == {1, 2, 4}
     assert all(pp * dp * tp == 4 for pp, dp, tp in shapes)
-    header, _, *lines = fd.format_layouts(layouts).splitlines()
+    header, _, *lines = format_layouts(layouts).splitlines()
     assert header.split()[:3] == ["pp", "dp", "tp"]
     assert [line.split()[2] for line in lines] == [str(e.tp) for e in layouts]
     one, two = (
