@@ -6,6 +6,12 @@ Run from the repository root (transformers is in the ``test`` extra)::
     python -m benchmarks.layout [--out PATH] [--worlds 8 64 128 512] [--batch 512]
                                 [--tokens 2048] [--budget 80GiB] [--slack 0.01] [--top 8]
                                 [--compare 64] [--data-parallel ddp fsdp]
+                                [--model llama-7b|llama-70b] [--tensor-parallel 1 2 4 8]
+
+``--tensor-parallel`` ranks (pp, dp, tp) layouts, each rank's work cut by the model's own
+tensor-parallel plan over ``tp`` ranks joined by NVLink (an A100's, 300 GB/s each way);
+``--model llama-70b`` takes Llama-2-70B's shape (80 layers, width 8,192, grouped-query
+attention with 8 key-value heads).
 
 The global batch defaults to 512 sequences of 2,048 tokens, the batch and sequence length
 of the 7.5B GPT in Narayanan et al. 2021's Table 1 (h = 4096 like Llama-7B's; 36 layers
@@ -33,17 +39,17 @@ import torch
 import transformers
 
 import fxpipe.distributed as fd
-from benchmarks.harness.models.giants import llama_7b
+from benchmarks.harness.models.giants import GIANTS
 from benchmarks.harness.output import command_line, result_path, save_json
 from fxpipe.distributed.layout import (
     DEFAULT_DEVICE_FLOPS,
     DEFAULT_DP_BANDWIDTH,
     DEFAULT_LINK_BANDWIDTH,
+    DEFAULT_TP_BANDWIDTH,
     format_layouts,
 )
 
 GIB = 2.0**30
-VOCAB = 32000
 #: Rows kept per world size and slack in the JSON file (the best ones).
 KEPT = 30
 
@@ -55,17 +61,22 @@ def run_world(
     budget: str,
     slack: float,
     data_parallel: Sequence[str],
+    tensor_parallel: Sequence[int] = (1,),
+    checkpoint: str = "never",
 ) -> tuple[list[fd.LayoutEstimate], float]:
     started = time.perf_counter()
     layouts = fd.suggest_layout(
-        model, ids, world, max_memory=budget, slack=slack, data_parallel=data_parallel
-    )
+        model, ids, world, max_memory=budget, slack=slack, data_parallel=data_parallel,
+        tensor_parallel=[t for t in tensor_parallel if world % t == 0],
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+    )  # fmt: skip
     return layouts, time.perf_counter() - started
 
 
 def _name(e: fd.LayoutEstimate) -> str:
     replicas = f" {e.data_parallel}" if e.dp > 1 else ""
-    return f"pp={e.pp} dp={e.dp} v={e.virtual} m={e.chunks} {e.schedule}{replicas}"
+    tp = f" tp={e.tp}" if e.tp > 1 else ""
+    return f"pp={e.pp} dp={e.dp}{tp} v={e.virtual} m={e.chunks} {e.schedule}{replicas}"
 
 
 def summary(world: int, layouts: Sequence[fd.LayoutEstimate], seconds: float) -> str:
@@ -76,9 +87,10 @@ def summary(world: int, layouts: Sequence[fd.LayoutEstimate], seconds: float) ->
         "(trace, price, every split)",
         f"  least memory: {_name(least)}, {least.memory_bytes / GIB:.1f} GiB per rank",
     ]
-    for kind in dict.fromkeys(e.data_parallel for e in layouts if e.pp == 1):
+    alone = [e for e in layouts if e.pp == 1 and e.tp == 1]
+    for kind in dict.fromkeys(e.data_parallel for e in alone):
         plain = min(
-            (e for e in layouts if e.pp == 1 and e.data_parallel == kind),
+            (e for e in alone if e.data_parallel == kind),
             key=lambda e: e.memory_bytes,
         )
         lines.append(
@@ -117,6 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--data-parallel", nargs="*", default=["ddp", "fsdp"], help="how replicas share"
     )
+    parser.add_argument("--model", default="llama-7b", choices=["llama-7b", "llama-70b"])
+    parser.add_argument(
+        "--checkpoint", default="never", choices=["never", "except_last", "always"],
+        help="activation checkpointing the memory estimate assumes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel", type=int, nargs="*", default=[1], help="tp sizes to rank"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -127,25 +147,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
+    build, vocab = GIANTS[args.model]
     with torch.device("meta"):
-        model = llama_7b()
+        model = build()
     params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, VOCAB, (args.batch, args.tokens), device="meta")
+    ids = torch.randint(0, vocab, (args.batch, args.tokens), device="meta")
+    tps = " x ".join(map(str, args.tensor_parallel))
     print(
-        f"\nLlama-7B shape ({params / 1e9:.2f}B parameters, float32) on meta; global batch "
+        f"\n{args.model} shape ({params / 1e9:.2f}B parameters, float32) on meta; tp "
+        f"{tps} (NVLink {DEFAULT_TP_BANDWIDTH / 1e9:.0f} GB/s); global batch "
         f"{args.batch} x {args.tokens} tokens; {args.budget} per rank; cost='flops' at "
         f"{DEFAULT_DEVICE_FLOPS / 1e12:.0f} TFLOP/s per rank; p2p "
         f"{DEFAULT_LINK_BANDWIDTH / 1e9:.0f} GB/s, all-reduce "
         f"{DEFAULT_DP_BANDWIDTH / 1e9:.0f} GB/s per rank; schedules 1F1B and "
-        f"interleaved 1F1B (v = 2, 4); replicas by {' and '.join(args.data_parallel)}; no "
-        f"activation checkpointing; slack {args.slack:g}.\n",
+        f"interleaved 1F1B (v = 2, 4); replicas by {' and '.join(args.data_parallel)}; "
+        f"activation checkpointing {args.checkpoint!r}; slack {args.slack:g}.\n",
         flush=True,
     )
     worlds: list[dict[str, Any]] = []
     for world in args.worlds:
         layouts, seconds = run_world(
-            model, ids, world, args.budget, args.slack, args.data_parallel
-        )
+            model, ids, world, args.budget, args.slack, args.data_parallel,
+            args.tensor_parallel, args.checkpoint,
+        )  # fmt: skip
         row: dict[str, Any] = {
             "world": world,
             "slack": args.slack,
@@ -157,8 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(summary(world, layouts, seconds))
         if world in args.compare:
             default, row["default_slack_seconds"] = run_world(
-                model, ids, world, args.budget, 0.0, args.data_parallel
-            )
+                model, ids, world, args.budget, 0.0, args.data_parallel,
+                args.tensor_parallel, args.checkpoint,
+            )  # fmt: skip
             row["default_slack_rows"] = [asdict(e) for e in default[:KEPT]]
             print(best_line(0.0, default))
         print(format_layouts(layouts, args.top), end="\n\n", flush=True)
@@ -169,7 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": command,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "model": "llama-7b",
+        "model": args.model,
+        "tensor_parallel": args.tensor_parallel,
+        "checkpoint": args.checkpoint,
+        "tp_bandwidth": DEFAULT_TP_BANDWIDTH,
         "parameters": params,
         "batch": args.batch,
         "tokens": args.tokens,

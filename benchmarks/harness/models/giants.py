@@ -1,4 +1,5 @@
-"""Hugging Face models at their published sizes, for building on ``meta``: Llama-7B, GPT-2 XL."""
+"""Hugging Face models at their published sizes, for building on ``meta``: Llama-7B,
+Llama-70B, GPT-2 XL."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["llama_7b", "gpt2_xl", "GIANTS"]
+__all__ = ["llama_7b", "llama_70b", "gpt2_xl", "GIANTS"]
 
 
 def llama_7b() -> nn.Module:
@@ -16,6 +17,19 @@ def llama_7b() -> nn.Module:
     config = transformers.LlamaConfig(
         num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
         num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+        max_position_embeddings=4096, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_70b() -> nn.Module:
+    """Llama-2-70B's shape (80 layers of width 8,192, 64 query heads sharing 8 key-value
+    heads, an MLP of 28,672, a 32,000-token vocabulary), no cache."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=80, hidden_size=8192, intermediate_size=28672,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
         max_position_embeddings=4096, use_cache=False,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
@@ -35,5 +49,6 @@ def gpt2_xl() -> nn.Module:
 #: name -> (build, vocabulary size).
 GIANTS: dict[str, tuple[Callable[[], nn.Module], int]] = {
     "llama-7b": (llama_7b, 32000),
+    "llama-70b": (llama_70b, 32000),
     "gpt2-xl": (gpt2_xl, 50257),
 }
