@@ -40,6 +40,9 @@ class CutLinear(nn.Linear):
 class CutInOut(nn.Module):
     """``x @ W + b`` over a weight stored (in, out), as transformers' ``Conv1D`` holds it."""
 
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, cut: Cut) -> None:
         super().__init__()
         self.weight = weight

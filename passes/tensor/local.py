@@ -336,15 +336,15 @@ def _embedding_options(gm: fx.GraphModule, n: fx.Node) -> tuple[int | None, dict
     rows = int(attrgetter(str(_weight_node(n).target))(gm).shape[0])
     if isinstance(n.target, torch._ops.OpOverload):  # aten: (weight, ids, padding_idx, ...)
         names = ["padding_idx", "scale_grad_by_freq", "sparse"]
-        given = dict(zip(names, n.args[2:]), **n.kwargs)
+        given: dict[str, Any] = dict(zip(names, n.args[2:]), **n.kwargs)
         padding = int(given.get("padding_idx", -1))
         extra = {k: given[k] for k in names[1:] if given.get(k)}
         return (None if padding == -1 else padding), extra
-    given = dict(zip(["padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"], n.args[2:]))
-    given.update(n.kwargs)
-    padding = given.get("padding_idx")
-    extra = {k: given[k] for k in ("scale_grad_by_freq", "sparse") if given.get(k)}
-    return (None if padding is None else int(padding) % rows), extra
+    keys = ["padding_idx", "max_norm", "norm_type", "scale_grad_by_freq"]
+    called: dict[str, Any] = {**dict(zip(keys, n.args[2:])), **n.kwargs}
+    index = called.get("padding_idx")
+    extra = {k: called[k] for k in ("scale_grad_by_freq", "sparse") if called.get(k)}
+    return (None if index is None else int(index) % rows), extra
 
 
 def _weight_node(n: fx.Node) -> fx.Node:

@@ -77,7 +77,7 @@ def _tie_again(local: nn.Module, shared: list[list[tuple[nn.Module, str]]]) -> N
     for holders in shared:
         first_module, first_name = holders[0]
         first = getattr(first_module, first_name)
-        assert isinstance(first, DTensor)
+        assert isinstance(first, DTensor) and isinstance(first, nn.Parameter)
         for module, name in holders[1:]:
             other = getattr(module, name)
             if other.placements != first.placements or other.device_mesh != first.device_mesh:

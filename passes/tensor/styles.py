@@ -90,7 +90,7 @@ class PlacedColwise(ColwiseParallel):
             module,
             device_mesh,
             self._partition,
-            lambda m, inputs, mesh: self._prepare_input_fn(
+            lambda m, inputs, mesh: self._prepare_input_fn(  # type: ignore[no-untyped-call]
                 self.input_layouts, self.desired_input_layouts, m, inputs, mesh
             ),
             lambda m, outputs, mesh: self._prepare_output_fn(
@@ -117,10 +117,10 @@ class PlacedRowwise(RowwiseParallel):
             module,
             device_mesh,
             self._partition,
-            lambda m, inputs, mesh: self._prepare_input_fn(
+            lambda m, inputs, mesh: self._prepare_input_fn(  # type: ignore[no-untyped-call]
                 self.input_layouts, self.desired_input_layouts, m, inputs, mesh
             ),
-            lambda m, outputs, mesh: self._prepare_output_fn(
+            lambda m, outputs, mesh: self._prepare_output_fn(  # type: ignore[no-untyped-call]
                 self.output_layouts, self.use_local_output, m, outputs, mesh
             ),
         )
