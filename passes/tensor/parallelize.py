@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,7 +17,7 @@ from fxpipe.passes.tensor.local import local_program
 from fxpipe.passes.tensor.records import TensorPlan
 from fxpipe.passes.tensor.styles import style_of
 
-__all__ = ["parallelize_stage", "local_styles"]
+__all__ = ["parallelize_stage", "parallelize_program", "local_styles"]
 
 LOGGER = logging.getLogger("fxpipe")
 
@@ -44,19 +45,48 @@ def parallelize_stage(gm: fx.GraphModule, plan: TensorPlan, tp_mesh: DeviceMesh)
             f"again with tensor_plan(gm, {tp_mesh.size()}, example_values)"
         )
     local = local_program(gm, plan)
-    shared = _holders(local)
-    parallelize_module(local, tp_mesh, local_styles(local))
-    _tie_again(local, shared)
+    parallelize_program(local, tp_mesh)
     for node, why in plan.replicated.items():
         LOGGER.info("tensor parallel: %s runs whole on every tp rank: %s", node, why)
     local.meta["tensor_plan"] = plan
     return local
 
 
+def parallelize_program(local: fx.GraphModule, tp_mesh: DeviceMesh) -> dict[int, nn.Parameter]:
+    """Cut a local program's generated modules over ``tp_mesh`` in place; the id of each
+    Parameter they held (the model's) -> the DTensor Parameter now in its place. Each cut
+    Parameter's gradient is kept placed as the Parameter is."""
+    before = {
+        (path, name): p
+        for path, m in local.named_modules()
+        if cut_of(m) is not None
+        for name, p in m.named_parameters(recurse=False)
+    }
+    shared = _holders(local)
+    parallelize_module(local, tp_mesh, local_styles(local))
+    _tie_again(local, shared)
+    for p in {id(p): p for p in local.parameters() if isinstance(p, DTensor)}.values():
+        p.register_post_accumulate_grad_hook(_placed_like_param)  # type: ignore[no-untyped-call]
+    return {
+        id(old): local.get_submodule(path).get_parameter(name)
+        for (path, name), old in before.items()
+    }
+
+
 def local_styles(local: fx.GraphModule) -> dict[str, ParallelStyle]:
     """Module path -> ``parallelize_module`` style, for every module a local program
     generated."""
     return {path: style_of(m) for path, m in local.named_modules() if cut_of(m) is not None}
+
+
+def _placed_like_param(param: torch.Tensor) -> None:
+    """Keep a cut Parameter's gradient placed as the Parameter is: a lookup over the
+    vocabulary leaves its table's gradient as partial sums, which an optimizer and the
+    pipeline's sum of tied gradients would take for this rank's rows."""
+    grad = param.grad
+    assert isinstance(param, DTensor) and isinstance(grad, DTensor)
+    if grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _holders(local: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -72,12 +72,15 @@ def _cut_stage(rank: int, world: int, *, name: str) -> dict[str, Any]:
     expected = dict(reference.named_parameters(remove_duplicate=False))
     grads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     placements: dict[str, str] = {}
+    misplaced: list[str] = []
     for key, param in stage.named_parameters():
         assert param.grad is not None, key
         grad = param.grad
         if isinstance(param, DTensor):
             placements[key] = repr(param.placements[0])
             assert isinstance(grad, DTensor)
+            if grad.placements != param.placements:  # an optimizer steps on the local pieces
+                misplaced.append(f"{key}: {grad.placements} != {param.placements}")
             grad = grad.full_tensor()
         grads[key] = (grad, expected[key].grad)  # type: ignore[assignment]
     modules = {path: type(m).__name__ for path, m in stage.named_modules()}
@@ -90,6 +93,7 @@ def _cut_stage(rank: int, world: int, *, name: str) -> dict[str, Any]:
         "logits": (got.detach(), want.detach()),
         "grads": grads,
         "placements": placements,
+        "misplaced": misplaced,
         "modules": modules,
         "tied": holders,
         "said": said.lines,
@@ -108,6 +112,7 @@ def _run(name: str, tmp_path: Path) -> list[dict[str, Any]]:
     runs = results(launch(_cut_stage, 2, tmp_path, name=name))
     for res in runs:
         assert res["untouched"], "the traced graph's own parameters were cut"
+        assert not res["misplaced"]  # each gradient placed as its Parameter
         got, want = res["logits"]
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         for key, (grad, eager) in res["grads"].items():
