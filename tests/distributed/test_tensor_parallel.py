@@ -1,0 +1,93 @@
+"""Pipeline x tensor parallel on gloo ranks: the hand-written decoder LM (a tied embedding and
+head, a fused q, k, v) on a ("pp", "dp", "tp") mesh with ``tensor_parallel="auto"``, one stage
+cut over two ranks (1 x 1 x 2) and two stages each cut over two ranks (2 x 1 x 2): the loss,
+every gradient (gathered whole) and the merged state dict after one SGD step equal eager
+PyTorch's, on every "tp" coordinate; and what is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fxpipe.distributed.mesh import mesh_layout
+from fxpipe.distributed.options import ScheduleOptions
+from fxpipe.errors import ConfigError
+from tests.distributed.ranks import check_against_eager, launch, results, train
+
+
+def _check(runs: list[dict[str, Any]], tp: int) -> None:
+    for t in range(tp):  # each "tp" coordinate runs one copy of the pipeline
+        check_against_eager("transformer", [r for r in runs if r["tp_rank"] == t])
+
+
+def test_one_stage_cut_over_two_ranks_equals_eager(tmp_path: Path) -> None:
+    runs = results(launch(train, 2, tmp_path, name="transformer", schedule="gpipe", tp=2))
+    _check(runs, 2)
+    for r in runs:
+        assert r["stages"] == (0,)
+        assert "tok.weight" in r["sharded"]  # the tied embedding and head, one DTensor
+        assert "blocks.0.attn.qkv.weight" in r["sharded"]
+        assert "ln_f.weight" not in r["sharded"]  # whole on every rank
+
+
+@pytest.mark.slow
+def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
+    runs = results(launch(train, 4, tmp_path, name="transformer", schedule="1f1b", tp=2))
+    _check(runs, 2)
+    by_stage = {r["stages"]: r for r in runs}
+    assert set(by_stage) == {(0,), (1,)}
+    for r in runs:  # the tied weight lives on both stages' ranks, its gradients summed
+        assert r["replicated"] == ("tok.weight",)
+        assert "tok.weight" in r["sharded"]
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """The messages of the meshes tensor parallelism refuses, before any communication."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    auto = ScheduleOptions(n_microbatches=1, tensor_parallel="auto")
+    plain = ScheduleOptions(n_microbatches=1)
+    cases = [
+        (init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp")), auto),
+        (init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp")), auto),
+        (init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp")), plain),
+    ]
+    said = []
+    for mesh, options in cases:
+        with pytest.raises(ConfigError) as caught:
+            mesh_layout(mesh, None, options)
+        said.append(str(caught.value))
+    return said
+
+
+def test_meshes_tensor_parallelism_cannot_run_on_are_refused(tmp_path: Path) -> None:
+    for said in results(launch(_refusals, 2, tmp_path)):
+        assert "tensor parallelism needs a 3-D mesh named ('pp', 'dp', 'tp')" in said[0]
+        assert "runs with one pipeline replica so far: make the mesh with dp=1" in said[1]
+        assert "(a 'tp' dimension needs tensor_parallel='auto')" in said[2]
+
+
+def test_tensor_parallel_without_a_mesh_is_refused() -> None:
+    options = ScheduleOptions(n_microbatches=1, tensor_parallel="auto")
+    with pytest.raises(ConfigError, match=r"tensor_parallel='auto' needs a mesh with a 'tp'"):
+        mesh_layout(None, None, options)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "said"),
+    [
+        ({"tensor_parallel": "yes"}, r"tensor_parallel='yes' is not one of \('auto', None\)"),
+        ({"compile": True}, r"compile= with tensor_parallel='auto' is not run yet"),
+        (
+            {"schedule": "zbvzerobubble", "stages_per_rank": 2},
+            r"schedule='zbvzerobubble' with tensor_parallel='auto' is not run yet",
+        ),
+    ],
+)
+def test_what_tensor_parallelism_does_not_run_with_is_refused(
+    keywords: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(ConfigError, match=said):
+        ScheduleOptions(**{"n_microbatches": 2, "tensor_parallel": "auto", **keywords})
