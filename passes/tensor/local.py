@@ -67,7 +67,7 @@ def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
     for n in graph.nodes:
         if n.op in ("get_attr", "call_module"):
             target = str(n.target)
-            root[target] = installed.get(target) or attrgetter(target)(gm)
+            root[target] = installed[target] if target in installed else attrgetter(target)(gm)
     return fx.GraphModule(root, graph, class_name=type(gm).__name__)
 
 
