@@ -1,8 +1,9 @@
 """Pipeline x tensor parallel on gloo ranks: the hand-written decoder LM (a tied embedding and
 head, a fused q, k, v) on a ("pp", "dp", "tp") mesh with ``tensor_parallel="auto"``, one stage
-cut over two ranks (1 x 1 x 2) and two stages each cut over two ranks (2 x 1 x 2): the loss,
-every gradient (gathered whole) and the merged state dict after one SGD step equal eager
-PyTorch's, on every "tp" coordinate; and what is refused."""
+cut over two ranks (1 x 1 x 2) and two stages each cut over two ranks (2 x 1 x 2), then two
+stages per rank and the zoo's Llama: the loss, every gradient (gathered whole) and the
+merged state dict after one SGD step equal eager PyTorch's, on every "tp" coordinate; and
+what is refused."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from fxpipe.errors import ConfigError
 from tests.distributed.ranks import check_against_eager, launch, results, train
 
 
-def _check(runs: list[dict[str, Any]], tp: int) -> None:
+def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer") -> None:
     for t in range(tp):  # each "tp" coordinate runs one copy of the pipeline
-        check_against_eager("transformer", [r for r in runs if r["tp_rank"] == t])
+        check_against_eager(name, [r for r in runs if r["tp_rank"] == t])
 
 
 def test_one_stage_cut_over_two_ranks_equals_eager(tmp_path: Path) -> None:
@@ -32,7 +33,6 @@ def test_one_stage_cut_over_two_ranks_equals_eager(tmp_path: Path) -> None:
         assert "ln_f.weight" not in r["sharded"]  # whole on every rank
 
 
-@pytest.mark.slow
 def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
     runs = results(launch(train, 4, tmp_path, name="transformer", schedule="1f1b", tp=2))
     _check(runs, 2)
@@ -41,6 +41,22 @@ def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
     for r in runs:  # the tied weight lives on both stages' ranks, its gradients summed
         assert r["replicated"] == ("tok.weight",)
         assert "tok.weight" in r["sharded"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "world", "schedule", "spr"),
+    [
+        ("transformer", 2, "loopedbfs", 2),  # both stages on one rank: one tied DTensor
+        ("transformer", 4, "interleaved1f1b", 2),
+        ("llama", 4, "1f1b", 1),  # grouped-query attention, rotary tables, an untied head
+    ],
+)
+def test_more_layouts_equal_eager(
+    tmp_path: Path, name: str, world: int, schedule: str, spr: int
+) -> None:
+    runs = launch(train, world, tmp_path, name=name, schedule=schedule, spr=spr, tp=2)
+    _check(results(runs), 2, name)
 
 
 def _refusals(rank: int, world: int) -> list[str]:
