@@ -11,11 +11,30 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import fxpipe.distributed as fd
 from fxpipe.distributed.mesh import mesh_layout
 from fxpipe.distributed.options import ScheduleOptions
 from fxpipe.errors import ConfigError
-from tests.distributed.ranks import check_against_eager, launch, results, train
+from tests.distributed.ranks import (
+    BATCH,
+    N_MB,
+    check_against_eager,
+    close,
+    launch,
+    preload,
+    problem,
+    results,
+    tiny_gpt,
+    train,
+    whole,
+)
+from tests.distributed.test_checkpoint import _lm_mean as lm_mean
+from tests.distributed.test_checkpoint import _optimizer as sgd
+from tests.distributed.test_checkpoint import _train_steps as train_steps
+
+preload(__name__)
 
 
 def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer") -> None:
@@ -107,3 +126,79 @@ def test_what_tensor_parallelism_does_not_run_with_is_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=said):
         ScheduleOptions(**{"n_microbatches": 2, "tensor_parallel": "auto", **keywords})
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def _save_cut_load_whole(rank: int, world: int, *, folder: str) -> dict[str, Any]:
+    """One step at 2 x 1 x 2 (the stages cut over "tp": DTensors, the fused q, k, v placed
+    strided), saved with torch.distributed.checkpoint; then loaded at 4 x 1 without tensor
+    parallelism and at 1 x 1 x 4 (one stage cut over 4 ranks), each taking two more steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, args, _, _, target = problem("transformer", BATCH)
+    out: dict[str, Any] = {}
+    layouts = {
+        "save": ((2, 1, 2), ("pp", "dp", "tp")),
+        "whole": ((4, 1), ("pp", "dp")),
+        "cut": ((1, 1, 4), ("pp", "dp", "tp")),
+    }
+    for layout, (shape, names) in layouts.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        pipe = fd.pipeline_schedule(
+            tiny_gpt(), args, n_microbatches=N_MB, loss_fn=lm_mean, scale_grads=True,
+            mesh=mesh, schedule="1f1b", tensor_parallel="auto" if "tp" in names else None,
+        )  # fmt: skip
+        optimizer = sgd(pipe.parameters())
+        if layout == "save":
+            out["losses"] = train_steps(pipe, optimizer, args, target, 1)
+            pipe.save_checkpoint(folder, optimizer)
+            continue
+        pipe.load_checkpoint(folder, optimizer)
+        # cloned: a replicated DTensor's full_tensor() is its own storage, which steps change
+        out[layout] = {k: whole(v).clone() for k, v in pipe.state_dict().items()}
+        out[f"{layout} resumed"] = train_steps(pipe, optimizer, args, target, 2)
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_cut_over_tp_resumes_uncut_and_in_eager(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "checkpoint"
+    per_rank = results(launch(_save_cut_load_whole, 4, tmp_path, folder=str(folder)))
+    _, args, _, _, target = problem("transformer", BATCH)
+    eager = tiny_gpt()
+    optimizer = sgd(eager.parameters())
+    losses, after_first = [], {}
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = lm_mean(eager(*args), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        after_first = after_first or {k: v.clone() for k, v in eager.state_dict().items()}
+    first = [r["losses"][0] for r in per_rank if r["losses"][0] == r["losses"][0]]
+    assert first == pytest.approx([losses[0]] * 2, rel=1e-5)  # each "tp" coordinate's
+    for layout, last in (("whole", 1), ("cut", 4)):  # ranks whose (last) stage has the loss
+        loaded = fd.merge_state_dicts(r[layout] for r in per_rank)
+        assert loaded.keys() == after_first.keys()
+        for key, value in loaded.items():
+            _same(value, after_first[key], f"{key} after one step, saved cut, loaded {layout}")
+        resumed = [r[f"{layout} resumed"] for r in per_rank]
+        resumed = [losses for losses in resumed if losses[0] == losses[0]]
+        assert len(resumed) == last
+        for got in resumed:
+            assert got == pytest.approx(losses[1:], rel=1e-4), layout
+    state = tiny_gpt().state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(folder))  # one process: the eager model
+    for key, value in state.items():
+        _same(value, after_first[key], f"{key} read by the eager model")
+
+
+def _same(value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if value.is_floating_point():
+        close(value, expected, what)
+    else:
+        assert torch.equal(value, expected), what
