@@ -168,14 +168,14 @@ def _cut_split_args(graph: fx.Graph, n: fx.Node, cut: int, tp: int) -> None:
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     key = "split_size" if "split_size" in kwargs else "split_size_or_sections"
     sizes = args[1] if len(args) > 1 else kwargs.get(key, kwargs.get("split_sizes"))
-    if isinstance(dim, int) and dim >= 0:
+    if isinstance(dim, int) and dim >= 0 and not isinstance(sizes, fx.Node):
         if dim != cut:
             return
         if isinstance(sizes, (list, tuple)):
             new: Any = [_divided(graph, n, s, tp) for s in sizes]
         else:
             new = _divided(graph, n, sizes, tp)
-    else:  # a negative or computed dim: compared with the cut at run time
+    else:  # a negative or computed dim, or computed sizes: cut at run time
         with graph.inserting_before(n):
             new = graph.call_function(cut_split_sizes, (args[0], sizes, dim, cut, tp))
     if len(args) > 1:
@@ -254,11 +254,8 @@ def _call_modules(
         path = f"_cut_{n.name}"  # placed at its real path once the weight reads are gone
         pending[path] = (module, weight.rpartition(".")[0])
         source = next(a for a in n.all_input_nodes if a.name == x)
-        with graph.inserting_before(n):
-            call = graph.call_module(path, (source,))
-        call.meta = copy.copy(n.meta)
-        n.replace_all_uses_with(call)
-        graph.erase_node(n)
+        n.op, n.target = "call_module", path  # in place: the node keeps its name and place
+        n.args, n.kwargs = (source,), {}
     return pending
 
 

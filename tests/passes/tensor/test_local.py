@@ -19,7 +19,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.passes.tensor.cut_modules import CutEmbedding, CutInOut, CutLinear
-from fxpipe.passes.tensor.local import local_program, whole_shape
+from fxpipe.passes.tensor.local import cut_split_sizes, local_program, whole_shape
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import Shard
 from fxpipe.trace.tracing import trace
@@ -118,26 +118,64 @@ class ReadsShape(nn.Module):
         return self.fc2(h)
 
 
+def _summed_over_ranks(local: fx.GraphModule, x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Each rank's program run alone on its own pieces of the generated modules' weights (as
+    their cuts say; a row-wise bias on rank 0 only), the outputs summed: the all-reduce of
+    a model that ends in a row-wise product."""
+    total = torch.zeros(())
+    for rank in range(tp):
+        mine = copy.deepcopy(local)
+        for m in mine.modules():
+            if type(m) not in (CutLinear, CutInOut):
+                continue
+            for name, shard in (("weight", m.cut.weight), ("bias", m.cut.bias)):
+                value = getattr(m, name)
+                if value is None:
+                    continue
+                if shard is not None:
+                    value = shard.take(value.detach(), tp, rank)
+                elif m.cut.style == "rowwise" and rank:
+                    value = torch.zeros_like(value)
+                setattr(m, name, nn.Parameter(value.detach().clone()))
+        total = total + mine(x)[0]  # the traced graph returns a tuple
+    return total
+
+
 def test_sizes_read_off_a_cut_value_are_its_whole_sizes() -> None:
-    """Each rank's program run on its own slices (fc1's rows, fc2's columns), the partial sums
-    added with fc2's bias once, is eager's output."""
     model, x = ReadsShape(), torch.randn(2, 3, 16)
     gm = trace(model, (x,)).graph_module
     plan = tensor_plan(gm, 2, (x,))
     assert plan.node_styles == {"fc1": "colwise", "fc2": "rowwise"}
     local = local_program(gm, plan)
     assert any(n.target is whole_shape for n in local.graph.nodes)
-    total = torch.zeros(2, 3, 16)
-    for rank in range(2):
-        mine = copy.deepcopy(local)
-        with torch.no_grad():
-            fc1, fc2 = mine.get_submodule("fc1"), mine.get_submodule("fc2")
-            fc1.weight = nn.Parameter(Shard(0).take(model.fc1.weight, 2, rank))
-            fc1.bias = nn.Parameter(Shard(0).take(model.fc1.bias, 2, rank))
-            fc2.weight = nn.Parameter(Shard(1).take(model.fc2.weight, 2, rank))
-            fc2.bias = nn.Parameter(model.fc2.bias.clone() if rank == 0 else torch.zeros(16))
-            total += mine(x)[0]  # the traced graph returns a tuple
-    torch.testing.assert_close(total, model(x))
+    torch.testing.assert_close(_summed_over_ranks(local, x, 2), model(x))
+
+
+class SplitAttention(nn.Module):
+    """GPT-2's attention in fx form: a fused q, k, v split along dim -1 by a size read off
+    the input, heads viewed off the input's width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(16, 48), nn.Linear(16, 16), 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_a_split_along_a_negative_dim_by_a_computed_size_is_cut_at_run_time() -> None:
+    model, x = SplitAttention(), torch.randn(2, 5, 16)
+    gm = trace(model, (x,)).graph_module
+    plan = tensor_plan(gm, 2, (x,))
+    assert plan.params["qkv.weight"].shard == Shard(0, blocks=3)
+    local = local_program(gm, plan)
+    assert [n.name for n in local.graph.nodes if n.op == "call_module"] == ["qkv", "proj"]
+    assert any(n.target is cut_split_sizes for n in local.graph.nodes)
+    torch.testing.assert_close(_summed_over_ranks(local, x, 2), model(x))
 
 
 def test_a_size_tp_does_not_divide_is_refused_naming_it() -> None:
