@@ -107,6 +107,12 @@ class DistributedPipeline:
                 self._programs, tensor_plan, layout.tp_mesh
             )
             self._own.adopt(placed, [*roots, *self._programs.values()])
+            cuts = {
+                name: (p.shard.dim, tensor_plan.tp)
+                for name, p in tensor_plan.params.items()
+                if p.shard is not None
+            }
+            self._own.cut_shapes(cuts)  # a tied weight's gradient is summed piece by piece
         self.stage_modules = tuple(self._programs[j] for j in self.stage_indices)
         labels = [f"stage {j} (rank {self.rank}, on {device})" for j in self.stage_indices]
         #: With ``compile=``: what compiling each of this rank's stages came to.

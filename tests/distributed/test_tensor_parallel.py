@@ -69,6 +69,7 @@ def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
         ("transformer", 2, "loopedbfs", 2),  # both stages on one rank: one tied DTensor
         ("transformer", 4, "interleaved1f1b", 2),
         ("llama", 4, "1f1b", 1),  # grouped-query attention, rotary tables, an untied head
+        ("transformer", 6, "gpipe", 1),  # 3 x 1 x 2: the middle ranks hold no tied piece
     ],
 )
 def test_more_layouts_equal_eager(
