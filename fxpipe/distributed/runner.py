@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -31,7 +32,7 @@ from fxpipe.distributed.shapes import Metas, StageShapes, meta_like, tensors
 from fxpipe.distributed.stage import Stage, StageModule, taken_metas
 from fxpipe.distributed.step_shapes import StepShapes
 from fxpipe.distributed.strides import Strides
-from fxpipe.distributed.tensor_parallel import parallelize_stages
+from fxpipe.distributed.tensor_parallel import cut_dims, parallelize_stages
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
@@ -101,18 +102,7 @@ class DistributedPipeline:
         self._own = Ownership(model, program, ranks, self.rank, whole)
         roots = [model, plan.graph_module, *program.modules]
         self._own.place(device, roots)
-        self._programs = {j: program.modules[j] for j in self.stage_indices}
-        if tensor_plan is not None:  # the stages' local programs, cut over "tp"
-            self._programs, placed = parallelize_stages(
-                self._programs, tensor_plan, layout.tp_mesh
-            )
-            self._own.adopt(placed, [*roots, *self._programs.values()])
-            cuts = {
-                name: (p.shard.dim, tensor_plan.tp)
-                for name, p in tensor_plan.params.items()
-                if p.shard is not None
-            }
-            self._own.cut_shapes(cuts)  # a tied weight's gradient is summed piece by piece
+        self._programs = self._stage_programs(program, roots, tensor_plan)
         self.stage_modules = tuple(self._programs[j] for j in self.stage_indices)
         labels = [f"stage {j} (rank {self.rank}, on {device})" for j in self.stage_indices]
         #: With ``compile=``: what compiling each of this rank's stages came to.
@@ -151,6 +141,21 @@ class DistributedPipeline:
             scale_grads=False,
         )
         self.schedule.before_step = self._before_step
+
+    def _stage_programs(
+        self, program: StageProgram, roots: list[nn.Module], tensor_plan: TensorPlan | None
+    ) -> dict[int, fx.GraphModule]:
+        """Stage index -> the GraphModule this rank runs for it: the planned one, or with
+        ``tensor_plan`` its local program cut over ``"tp"`` (the model's cut Parameters, in
+        every module under ``roots``, replaced by the DTensors in their place; a tied
+        weight's gradient then summed over the pipeline piece by piece)."""
+        programs = {j: program.modules[j] for j in self.stage_indices}
+        if tensor_plan is None:
+            return programs
+        programs, placed = parallelize_stages(programs, tensor_plan, self.layout.tp_mesh)
+        self._own.adopt(placed, [*roots, *programs.values()])
+        self._own.cut_shapes(cut_dims(tensor_plan))
+        return programs
 
     def _stage(
         self, program: StageProgram, binder: InputBinder | None, metas: Metas, j: int, copies: bool

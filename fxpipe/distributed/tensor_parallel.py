@@ -22,7 +22,7 @@ from fxpipe.passes.tensor.parallelize import parallelize_program
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import TensorPlan
 
-__all__ = ["plan_tensor_parallel", "stage_plan", "parallelize_stages"]
+__all__ = ["plan_tensor_parallel", "stage_plan", "parallelize_stages", "cut_dims"]
 
 
 def plan_tensor_parallel(plan: PipelinePlan, values: Sequence[Any], tp: int) -> TensorPlan:
@@ -45,6 +45,12 @@ def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
         node_weights=mine(plan.node_weights),
         replicated=mine(plan.replicated),
     )
+
+
+def cut_dims(plan: TensorPlan) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (the dimension the plan cuts it along, the ranks it is cut over),
+    for every Parameter it cuts."""
+    return {name: (p.shard.dim, plan.tp) for name, p in plan.params.items() if p.shard is not None}
 
 
 def parallelize_stages(
