@@ -38,6 +38,7 @@ from fxpipe.distributed.options import (
 from fxpipe.distributed.runner import DistributedPipeline
 from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
 from fxpipe.distributed.step_shapes import StepShapes
+from fxpipe.distributed.tensor_parallel import plan_tensor_parallel
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import CompileChoice, PlanOptions
@@ -119,17 +120,19 @@ def pipeline_schedule(
     1F1B, Interleaved1F1B and LoopedBFS, and DDP over a mesh's ``"dp"`` (refused with a
     zero-bubble schedule, whose split backward a compiled stage cannot give, and with FSDP).
 
-    ``tensor_parallel``: only None for now (the keyword the API will take a plan with).
+    ``tensor_parallel="auto"``: with a 3-D ``mesh`` named ``("pp", "dp", "tp")`` (``dp``
+    1 so far), the whole graph is planned over the ``"tp"`` dimension
+    (:func:`fxpipe.passes.tensor.plan.tensor_plan`, no cut value crossing a stage border;
+    ``pipe.tensor_plan.summary()`` says what is cut how) and each stage's local program is
+    cut over ``mesh["tp"]`` by torch's tensor parallelism
+    (:func:`fxpipe.passes.tensor.parallelize.parallelize_stage`): the Parameters it cuts
+    become DTensors (in the model too; ``full_tensor()`` gathers one), and the ranks of one
+    ``"tp"`` group hold the same stage and exchange whole activations over their ``"pp"``
+    groups. Not yet with ``compile=`` or a zero-bubble schedule. None: no tensor parallelism.
 
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
-    if tensor_parallel is not None:
-        raise ConfigError(
-            f"tensor_parallel={tensor_parallel!r}: tensor parallelism inside a stage is not "
-            "run yet (fxpipe.passes.tensor.plan.tensor_plan finds and prints the plan); pass "
-            "tensor_parallel=None"
-        )
     _check_initialised()
     asked = (n_microbatches, schedule)
     stand_in = "gpipe" if stages_per_rank == 1 else "loopedbfs"  # takes any stages per rank
@@ -144,6 +147,7 @@ def pipeline_schedule(
         slack=slack,
         data_parallel=data_parallel,
         compile=compile,
+        tensor_parallel=tensor_parallel,
     )
     example = example_input if isinstance(example_input, tuple) else (example_input,)
     return _build(
@@ -205,6 +209,9 @@ def _build(
     check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
         check_agreement(plan, program, config, layout.dp_group, target)
+    cut = None
+    if layout.tp_mesh is not None:  # every rank plans alike, from the same example
+        cut = plan_tensor_parallel(plan, values, layout.tp_mesh.size())
     sizes = StepShapes(
         program, binder, found, args, kwargs, n_microbatches=options.n_microbatches,
         group=group, device=target, comm=comm_device(group, target),
@@ -223,6 +230,7 @@ def _build(
         statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
         step_shapes=sizes,
         whole=whole,
+        tensor_plan=cut,
     )
     built.schedule_choice = choice
     return built

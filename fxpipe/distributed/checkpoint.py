@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from fxpipe.distributed.ownership import full_tensor, is_dtensor, local_tensor
 from fxpipe.errors import CheckpointError
 
 __all__ = ["optimizer_state", "set_optimizer_state", "save_state", "load_state"]
@@ -46,10 +48,12 @@ def set_optimizer_state(
 
 
 def save_state(state: dict[str, Any], path: str | PathLike[str]) -> None:
-    """``state`` written with ``torch.distributed.checkpoint.save`` (a collective)."""
+    """``state`` written with ``torch.distributed.checkpoint.save`` (a collective). A fused
+    q, k, v cut over tensor-parallel ranks in parts (a ``_StridedShard`` DTensor, which this
+    torch's checkpoint writes as overlapping chunks) is written whole, gathered first."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    save(state, checkpoint_id=str(path))
+    save(tree_map(_whole_if_strided, state), checkpoint_id=str(path))
 
 
 def load_state(state: dict[str, Any], path: str | PathLike[str], stages: tuple[int, ...]) -> None:
@@ -59,7 +63,46 @@ def load_state(state: dict[str, Any], path: str | PathLike[str], stages: tuple[i
     from torch.distributed.checkpoint.state_dict_loader import load
 
     _check_checkpoint(path, state, stages)
-    load(state, checkpoint_id=str(path))
+    strided: list[tuple[torch.Tensor, torch.Tensor]] = []
+    load(tree_map(lambda t: _whole_stand_in(t, strided), state), checkpoint_id=str(path))
+    for tensor, whole in strided:  # this rank's parts of each, from the whole read
+        _copy_strided(tensor, whole)
+
+
+def _strided(t: object) -> bool:
+    """Whether ``t`` is a DTensor placed in parts on some mesh dimension (``_StridedShard``:
+    a fused q, k, v cut over tensor-parallel ranks)."""
+    if not is_dtensor(t):
+        return False
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in t.placements)  # type: ignore[attr-defined]
+
+
+def _whole_if_strided(t: Any) -> Any:
+    return full_tensor(t) if _strided(t) else t
+
+
+def _whole_stand_in(t: Any, strided: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """An empty whole tensor for the checkpoint to fill in place of a strided DTensor (noted
+    in ``strided``), else ``t``."""
+    if not _strided(t):
+        return t
+    whole = torch.empty(t.shape, dtype=t.dtype, device=local_tensor(t).device)
+    strided.append((t, whole))
+    return whole
+
+
+def _copy_strided(tensor: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy this rank's parts of ``whole`` into the strided DTensor ``tensor``: along the
+    placement's dimension, part k of its ``split_factor`` parts cut over the mesh's ranks."""
+    from fxpipe.passes.tensor.records import Shard
+
+    (placement,) = tensor.placements  # type: ignore[attr-defined]
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    cut = Shard(placement.dim, placement.split_factor)
+    with torch.no_grad():
+        local_tensor(tensor).copy_(cut.take(whole, mesh.size(), mesh.get_local_rank()))
 
 
 def _check_checkpoint(

@@ -49,6 +49,8 @@ class Layout:
     dp_size: int = 1
     data_parallel: str = "ddp"
     dp_mesh: Any = None  # the 1-D "dp" DeviceMesh, for fully_shard
+    #: The 1-D ``"tp"`` DeviceMesh each stage is cut over (tensor parallelism); None: none.
+    tp_mesh: Any = None
 
     @property
     def sharded(self) -> bool:
@@ -155,6 +157,12 @@ def mesh_layout(mesh: Any, group: dist.ProcessGroup | None, options: ScheduleOpt
     if data_parallel == "fsdp":
         _fully_shard()  # this torch has it
     if mesh is None:
+        if options.tensor_parallel is not None:
+            raise ConfigError(
+                f"tensor_parallel={options.tensor_parallel!r} needs a mesh with a 'tp' "
+                "dimension; pass mesh=init_device_mesh(device_type, (pp, dp, tp), "
+                "mesh_dim_names=('pp', 'dp', 'tp'))"
+            )
         return Layout(group)
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -164,13 +172,7 @@ def mesh_layout(mesh: Any, group: dist.ProcessGroup | None, options: ScheduleOpt
             "torch.distributed.device_mesh.init_device_mesh(device_type, (pp, dp), "
             "mesh_dim_names=('pp', 'dp'))"
         )
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
-        raise ConfigError(
-            f"mesh has dimensions {names or mesh.ndim} but a 2-D mesh named ('pp', 'dp') is "
-            "needed; make it with init_device_mesh(device_type, (pp, dp), "
-            "mesh_dim_names=('pp', 'dp'))"
-        )
+    names = _check_dims(mesh, options.tensor_parallel)
     if mesh.size() != dist.get_world_size():
         raise ConfigError(
             f"mesh spans {mesh.size()} ranks but the world has {dist.get_world_size()}; "
@@ -187,7 +189,35 @@ def mesh_layout(mesh: Any, group: dist.ProcessGroup | None, options: ScheduleOpt
     dp = mesh["dp"]
     size = dp.size()
     group = dp.get_group() if size > 1 else None
-    return Layout(mesh["pp"].get_group(), group, size, data_parallel, dp)
+    tp = mesh["tp"] if "tp" in names else None
+    if tp is not None and size > 1:
+        raise ConfigError(
+            f"the mesh's 'dp' dimension has {size} ranks and its 'tp' dimension "
+            f"{tp.size()}; tensor parallelism runs with one pipeline replica so far: make "
+            "the mesh with dp=1"
+        )
+    return Layout(mesh["pp"].get_group(), group, size, data_parallel, dp, tp)
+
+
+def _check_dims(mesh: Any, tensor_parallel: str | None) -> tuple[str, ...]:
+    """The mesh's dimension names; ConfigError unless they are ``("pp", "dp")``, or
+    ``("pp", "dp", "tp")`` with ``tensor_parallel="auto"``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if tensor_parallel is None:
+        if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
+            tp = " (a 'tp' dimension needs tensor_parallel='auto')" if "tp" in names else ""
+            raise ConfigError(
+                f"mesh has dimensions {names or mesh.ndim} but a 2-D mesh named ('pp', 'dp') "
+                f"is needed{tp}; make it with init_device_mesh(device_type, (pp, dp), "
+                "mesh_dim_names=('pp', 'dp'))"
+            )
+    elif mesh.ndim != 3 or set(names) != {"pp", "dp", "tp"}:
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel!r} but mesh has dimensions {names or mesh.ndim}; "
+            "tensor parallelism needs a 3-D mesh named ('pp', 'dp', 'tp'): make it with "
+            "init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))"
+        )
+    return names
 
 
 def _check_split_backward(schedule: str, data_parallel: str) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "INTERLEAVED",
     "SPLIT_BACKWARD",
     "DATA_PARALLEL",
+    "TENSOR_PARALLEL",
     "stage_ranks",
     "rounds",
     "micro_batch_problem",
@@ -107,6 +108,9 @@ class ScheduleOptions:
     #: Each of this rank's stage forwards through ``torch.compile`` (``True``, a dict of its
     #: settings or a :class:`fxpipe.options.CompileOptions`; kept as that record, or None).
     compile: CompileChoice = False
+    #: ``"auto"``: each stage cut over a mesh's ``"tp"`` dimension as
+    #: :func:`fxpipe.passes.tensor.plan.tensor_plan` finds; None: no tensor parallelism.
+    tensor_parallel: str | None = None
 
     def __post_init__(self) -> None:
         kind = check_schedule("schedule", self.schedule)
@@ -131,6 +135,7 @@ class ScheduleOptions:
                 "stage's backward into its input and weight parts, which a compiled stage "
                 "runs as one; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or compile=False"
             )
+        _check_tensor_parallel(self.tensor_parallel, kind, compiled is not None)
         if compiled is not None and self.data_parallel == "fsdp":
             raise ConfigError(
                 "compile= with data_parallel='fsdp' is not supported (FSDP2 gathers and frees "
@@ -223,6 +228,33 @@ def micro_batch_problem(schedule: str, n_microbatches: int, world: int, total: i
             f"n_microbatches={fit}"
         )
     return None
+
+
+#: ``tensor_parallel=`` values: the plan fxpipe finds, or none.
+TENSOR_PARALLEL = ("auto", None)
+
+
+def _check_tensor_parallel(value: object, schedule: str, compiled: bool) -> None:
+    """ConfigError unless ``value`` is one of :data:`TENSOR_PARALLEL`, and for what tensor
+    parallelism does not run with yet (a compiled stage, a split backward)."""
+    if value not in TENSOR_PARALLEL:
+        raise ConfigError(
+            f"tensor_parallel={value!r} is not one of {TENSOR_PARALLEL}; pass 'auto' (each "
+            "stage cut over the mesh's 'tp' dimension as fxpipe plans it) or None"
+        )
+    if value is None:
+        return
+    if compiled:
+        raise ConfigError(
+            "compile= with tensor_parallel='auto' is not run yet (each stage's products "
+            "are DTensor modules); pass compile=False"
+        )
+    if schedule in SPLIT_BACKWARD:
+        raise ConfigError(
+            f"schedule={schedule!r} with tensor_parallel='auto' is not run yet (a zero-bubble "
+            "schedule splits each stage's backward, through its tensor-parallel "
+            "collectives); use 'gpipe', '1f1b', 'interleaved1f1b' or 'loopedbfs'"
+        )
 
 
 def _check_placement(schedule: object, kind: str, stages_per_rank: int) -> None:

@@ -75,6 +75,23 @@ class Ownership:
         ]
         self.whole_keys = frozenset(keys[i][0] for i in whole if i in keys)
         self.shared_keys = frozenset(ks[0] for i, ks in keys.items() if len(owners[i]) > 1)
+        self._aliases = {ks[0]: tuple(ks) for ks in keys.values()}  # every key of a tensor
+
+    def cut_shapes(self, cuts: Mapping[str, tuple[int, int]]) -> None:
+        """Each entry of ``replicated`` under the shape of one rank's piece where tensor
+        parallelism cuts it (``cuts``: a key of the Parameter, any of its tied names ->
+        (the dimension cut, the ranks it is cut over)): what every pipeline rank adds for
+        it, zeros on a rank that does not hold it."""
+        out = []
+        for key, shape, t in self.replicated:
+            names = [n for n in self._aliases.get(key, (key,)) if n in cuts]
+            if names:
+                dim, ranks = cuts[names[0]]
+                sizes = list(shape)
+                sizes[dim] //= ranks
+                shape = torch.Size(sizes)
+            out.append((key, shape, t))
+        self.replicated = out
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Each kept Parameter once, under its first key."""

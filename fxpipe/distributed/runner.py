@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -31,10 +32,12 @@ from fxpipe.distributed.shapes import Metas, StageShapes, meta_like, tensors
 from fxpipe.distributed.stage import Stage, StageModule, taken_metas
 from fxpipe.distributed.step_shapes import StepShapes
 from fxpipe.distributed.strides import Strides
+from fxpipe.distributed.tensor_parallel import cut_dims, parallelize_stages
 from fxpipe.distributed.tied_guard import TiedGuard
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.options import CompileOptions
+from fxpipe.passes.tensor.records import TensorPlan
 from fxpipe.runtime.compiled import StageCompilation, compile_stages
 from fxpipe.runtime.variants import modes_of
 from fxpipe.trace.batch_checks import BatchStatistics
@@ -54,6 +57,8 @@ class DistributedPipeline:
     - ``state_dict()`` / ``load_stage_state_dict()``: this rank's shard under the model's keys.
     - ``schedule_choice``: with ``n_microbatches`` or ``schedule`` ``"auto"``, what was chosen
       and the layouts it was chosen from (``.summary()``); None when both were given.
+    - ``tensor_plan``: with ``tensor_parallel="auto"``, the plan each stage is cut by
+      (``.summary()``); None without tensor parallelism.
     """
 
     schedule_choice: ScheduleChoice | None = None
@@ -74,25 +79,31 @@ class DistributedPipeline:
         statistics: BatchStatistics | None = None,
         step_shapes: StepShapes | None = None,
         whole: frozenset[int] = frozenset(),
+        tensor_plan: TensorPlan | None = None,
     ) -> None:
         """This rank's stages of ``program`` (``ranks``: each stage's pipeline rank, in
         ``layout``'s ``"pp"`` group), on ``device``, with the boundary values of one
         micro-batch in ``shapes`` (the first stage's inputs: the model's positional
-        arguments), as ``options`` says; ``whole``: the Parameters FSDP leaves whole."""
+        arguments), as ``options`` says; ``whole``: the Parameters FSDP leaves whole;
+        ``tensor_plan``: each stage cut over ``layout.tp_mesh`` as it says (its cut
+        Parameters then DTensors, in the model too)."""
         group = layout.pp_group
         self.plan, self.group, self.device, self.options = plan, group, device, options
+        self.tensor_plan = tensor_plan
         self._modes = modes_of(model)  # the training modes it was traced in
         self.layout = layout
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_stages = plan.num_stages
         self.stage_indices = tuple(j for j, r in enumerate(ranks) if r == self.rank)
-        self.stage_modules = tuple(program.modules[j] for j in self.stage_indices)
         self.is_first = 0 in self.stage_indices
         self.is_last = self.num_stages - 1 in self.stage_indices
         self._leaves, self._spec = program.output_leaves, program.output_spec
         self._model = model
         self._own = Ownership(model, program, ranks, self.rank, whole)
-        self._own.place(device, [model, plan.graph_module, *program.modules])
+        roots = [model, plan.graph_module, *program.modules]
+        self._own.place(device, roots)
+        self._programs = self._stage_programs(program, roots, tensor_plan)
+        self.stage_modules = tuple(self._programs[j] for j in self.stage_indices)
         labels = [f"stage {j} (rank {self.rank}, on {device})" for j in self.stage_indices]
         #: With ``compile=``: what compiling each of this rank's stages came to.
         compiled = CompileOptions.of(options.compile)  # the record's (already checked)
@@ -131,6 +142,21 @@ class DistributedPipeline:
         )
         self.schedule.before_step = self._before_step
 
+    def _stage_programs(
+        self, program: StageProgram, roots: list[nn.Module], tensor_plan: TensorPlan | None
+    ) -> dict[int, fx.GraphModule]:
+        """Stage index -> the GraphModule this rank runs for it: the planned one, or with
+        ``tensor_plan`` its local program cut over ``"tp"`` (the model's cut Parameters, in
+        every module under ``roots``, replaced by the DTensors in their place; a tied
+        weight's gradient then summed over the pipeline piece by piece)."""
+        programs = {j: program.modules[j] for j in self.stage_indices}
+        if tensor_plan is None:
+            return programs
+        programs, placed = parallelize_stages(programs, tensor_plan, self.layout.tp_mesh)
+        self._own.adopt(placed, [*roots, *programs.values()])
+        self._own.cut_shapes(cut_dims(tensor_plan))
+        return programs
+
     def _stage(
         self, program: StageProgram, binder: InputBinder | None, metas: Metas, j: int, copies: bool
     ) -> Stage:
@@ -140,7 +166,7 @@ class DistributedPipeline:
             take = tuple(names.index(x.name) for x in self._leaves if isinstance(x, ValueRef))
         inputs, outputs = taken_metas(metas, take)
         layouts = None if self._layouts is None else self._layouts[j]
-        module = StageModule(program.modules[j], binder, take, copies, layouts)
+        module = StageModule(self._programs[j], binder, take, copies, layouts)
         module.no_views = self.layout.sharded
         whole = [p for p in module.parameters() if id(p) in self._whole]
         stage = Stage(

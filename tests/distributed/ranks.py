@@ -137,16 +137,24 @@ def train(
     data_parallel: str = "ddp",
     compile: Any = False,
     n_mb: Any = N_MB,
+    tp: int = 1,
 ) -> dict[str, Any]:
     """One pipelined step, then one SGD step; gradients and the state-dict shard (whole
     tensors, gathered from FSDP's shards). With ``dp > 1``: a (world / dp) x dp mesh,
     replica ``i`` taking the i-th slice of a global batch of ``dp * BATCH``. ``compile``:
     pipeline_schedule's (what compiling each stage came to is returned too); ``n_mb``:
-    its ``n_microbatches`` (the schedule and count it ran with are returned)."""
+    its ``n_microbatches`` (the schedule and count it ran with are returned). With ``tp > 1``:
+    a (world / (dp * tp)) x dp x tp mesh and ``tensor_parallel="auto"``."""
     build, args, kwargs, loss_fn, target = problem(name, dp * BATCH)
     model = build()
-    mesh, replica = None, 0
-    if dp > 1:
+    mesh, replica, tp_rank = None, 0, 0
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (world // (dp * tp), dp, tp)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+        tp_rank = mesh.get_local_rank("tp")
+    elif dp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
@@ -167,6 +175,7 @@ def train(
         mesh=mesh,
         data_parallel=data_parallel,
         compile=compile,
+        tensor_parallel="auto" if tp > 1 else None,
     )
     import warnings
 
@@ -190,6 +199,7 @@ def train(
     return {
         "stages": pipe.stage_indices,
         "replica": replica,
+        "tp_rank": tp_rank,
         "loss": float(sum(losses)) if losses else None,
         "grads": grads,
         "shard": {k: whole(v) for k, v in pipe.state_dict().items()},

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import fxpipe.distributed as fd
 from fxpipe.distributed.auto import choose_schedule
 from fxpipe.distributed.layout import LAYOUT_SCHEDULES, suggest_layout
 from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
@@ -85,11 +84,3 @@ def test_an_auto_schedule_keeps_the_stages_per_rank_given(tmp_path: Path) -> Non
     ((schedule, _, spr),) = {r["ran"] for r in per_rank}
     assert spr == 2 and schedule not in ("gpipe", "1f1b")
     check_against_eager("unet", per_rank)
-
-
-def test_tensor_parallel_is_refused_until_it_runs() -> None:
-    with pytest.raises(ConfigError, match="tensor_parallel='auto'.*pass tensor_parallel=None"):
-        fd.pipeline_schedule(
-            torch.nn.Linear(2, 2), torch.randn(2, 2), n_microbatches=1, loss_fn=None,
-            tensor_parallel="auto",
-        )  # fmt: skip

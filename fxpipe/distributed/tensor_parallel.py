@@ -1,0 +1,81 @@
+"""Pipeline x tensor parallel: the plan of the whole graph over a mesh's ``"tp"`` dimension
+(every rank makes the same one), restricted to each of this rank's stages, whose local
+programs torch's tensor parallelism then cuts.
+
+The plan keeps every cut value inside its stage, so the ranks of one ``"tp"`` group hold the
+same stage and send and receive whole activations, each over its own ``"pp"`` group (the
+ranks of one ``"tp"`` coordinate): each ``"tp"`` coordinate runs one copy of the pipeline, the
+stages' collectives joining the copies."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.ir import PipelinePlan
+from fxpipe.passes.tensor.local import local_program
+from fxpipe.passes.tensor.parallelize import parallelize_program
+from fxpipe.passes.tensor.plan import tensor_plan
+from fxpipe.passes.tensor.records import TensorPlan
+
+__all__ = ["plan_tensor_parallel", "stage_plan", "parallelize_stages", "cut_dims"]
+
+
+def plan_tensor_parallel(plan: PipelinePlan, values: Sequence[Any], tp: int) -> TensorPlan:
+    """The tensor-parallel plan of the pipeline's whole graph over ``tp`` ranks, no cut
+    value crossing a stage border (``values``: one per placeholder, one micro-batch's)."""
+    return tensor_plan(plan.graph_module, tp, values, stage_of=plan.stage_of)
+
+
+def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
+    """``plan`` for one stage's GraphModule: the cuts of its own nodes."""
+    names = {n.name for n in gm.graph.nodes}
+
+    def mine(table: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in table.items() if k in names}
+
+    return replace(
+        plan,
+        layouts=mine(plan.layouts),
+        node_styles=mine(plan.node_styles),
+        node_weights=mine(plan.node_weights),
+        replicated=mine(plan.replicated),
+    )
+
+
+def cut_dims(plan: TensorPlan) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (the dimension the plan cuts it along, the ranks it is cut over),
+    for every Parameter it cuts."""
+    return {name: (p.shard.dim, plan.tp) for name, p in plan.params.items() if p.shard is not None}
+
+
+def parallelize_stages(
+    modules: Mapping[int, fx.GraphModule], plan: TensorPlan, tp_mesh: Any
+) -> tuple[dict[int, fx.GraphModule], dict[int, nn.Parameter]]:
+    """Each stage's local program, cut over ``tp_mesh``; and the id of every Parameter of
+    the model they cut -> the DTensor Parameter in its place (for the rank's ownership)."""
+    programs: dict[int, fx.GraphModule] = {}
+    placed: dict[int, nn.Parameter] = {}
+    for j, gm in modules.items():
+        local = local_program(gm, stage_plan(plan, gm))
+        for old, new in parallelize_program(local, tp_mesh).items():
+            if old in placed:  # a weight two of this rank's stages read: one DTensor
+                _hold(local, new, placed[old])
+            else:
+                placed[old] = new
+        programs[j] = local
+    return programs, placed
+
+
+def _hold(local: nn.Module, new: nn.Parameter, kept: nn.Parameter) -> None:
+    """Every module of ``local`` holding ``new`` holds ``kept`` instead (cut alike)."""
+    if new.placements != kept.placements:  # type: ignore[attr-defined]
+        raise AssertionError("one weight cut two ways by two stages of a rank")
+    for m in local.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p is new:
+                m.register_parameter(name, kept)

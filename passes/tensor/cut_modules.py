@@ -1,0 +1,80 @@
+"""The modules a tensor-parallel local program calls where its plan cuts a matrix product or
+an embedding: each holds the model's own Parameters and records how the plan cuts them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fxpipe.passes.tensor.records import NodeStyle, Shard
+
+__all__ = ["Cut", "CutLinear", "CutInOut", "CutEmbedding", "CutModule", "cut_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """How the plan cuts the parameters of one generated module over the tp ranks."""
+
+    #: The graph node the module stands for.
+    node: str
+    style: NodeStyle
+    #: The plan's cut of the weight and of the bias (None: whole on every rank).
+    weight: Shard | None
+    bias: Shard | None
+
+
+class CutLinear(nn.Linear):
+    """``x @ W.T + b`` over a weight stored (out, in), as ``nn.Linear`` computes it (torch's
+    ``ColwiseParallel`` and ``RowwiseParallel`` take it)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, cut: Cut) -> None:
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.cut = cut
+
+
+class CutInOut(nn.Module):
+    """``x @ W + b`` over a weight stored (in, out), as transformers' ``Conv1D`` holds it."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, cut: Cut) -> None:
+        super().__init__()
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class CutEmbedding(nn.Embedding):
+    """A lookup of the rows of the model's own table, as ``nn.Embedding`` makes it (torch's
+    ``RowwiseParallel`` cuts its rows over the ranks)."""
+
+    def __init__(self, weight: nn.Parameter, padding_idx: int | None, cut: Cut) -> None:
+        nn.Module.__init__(self)
+        self.num_embeddings, self.embedding_dim = int(weight.shape[0]), int(weight.shape[1])
+        self.padding_idx = padding_idx
+        self.max_norm = None
+        self.norm_type = 2.0
+        self.scale_grad_by_freq = False
+        self.sparse = False
+        self.weight = weight
+        self.cut = cut
+
+
+CutModule = CutLinear | CutInOut | CutEmbedding
+
+
+def cut_of(module: nn.Module) -> Cut | None:
+    """The plan's cut a generated module carries; None for any other module."""
+    if isinstance(module, (CutLinear, CutInOut, CutEmbedding)):
+        return module.cut
+    return None

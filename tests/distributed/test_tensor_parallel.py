@@ -1,0 +1,264 @@
+"""Pipeline x tensor parallel on gloo ranks: the hand-written decoder LM (a tied embedding and
+head, a fused q, k, v) on a ("pp", "dp", "tp") mesh with ``tensor_parallel="auto"``, one stage
+cut over two ranks (1 x 1 x 2) and two stages each cut over two ranks (2 x 1 x 2), then two
+stages per rank and the zoo's Llama: the loss, every gradient (gathered whole) and the
+merged state dict after one SGD step equal eager PyTorch's, on every "tp" coordinate; and
+what is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fxpipe.distributed as fd
+from fxpipe.distributed.mesh import mesh_layout
+from fxpipe.distributed.options import ScheduleOptions
+from fxpipe.distributed.ownership import is_dtensor
+from fxpipe.errors import ConfigError
+from tests.distributed.ranks import (
+    BATCH,
+    N_MB,
+    check_against_eager,
+    close,
+    launch,
+    preload,
+    problem,
+    results,
+    step,
+    tiny_gpt,
+    train,
+    whole,
+)
+from tests.distributed.test_checkpoint import _lm_mean as lm_mean
+from tests.distributed.test_checkpoint import _optimizer as sgd
+from tests.distributed.test_checkpoint import _train_steps as train_steps
+
+preload(__name__)
+
+
+def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer") -> None:
+    for t in range(tp):  # each "tp" coordinate runs one copy of the pipeline
+        check_against_eager(name, [r for r in runs if r["tp_rank"] == t])
+
+
+def test_one_stage_cut_over_two_ranks_equals_eager(tmp_path: Path) -> None:
+    runs = results(launch(train, 2, tmp_path, name="transformer", schedule="gpipe", tp=2))
+    _check(runs, 2)
+    for r in runs:
+        assert r["stages"] == (0,)
+        assert "tok.weight" in r["sharded"]  # the tied embedding and head, one DTensor
+        assert "blocks.0.attn.qkv.weight" in r["sharded"]
+        assert "ln_f.weight" not in r["sharded"]  # whole on every rank
+
+
+def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
+    runs = results(launch(train, 4, tmp_path, name="transformer", schedule="1f1b", tp=2))
+    _check(runs, 2)
+    by_stage = {r["stages"]: r for r in runs}
+    assert set(by_stage) == {(0,), (1,)}
+    for r in runs:  # the tied weight lives on both stages' ranks, its gradients summed
+        assert r["replicated"] == ("tok.weight",)
+        assert "tok.weight" in r["sharded"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "world", "schedule", "spr"),
+    [
+        ("transformer", 2, "loopedbfs", 2),  # both stages on one rank: one tied DTensor
+        ("transformer", 4, "interleaved1f1b", 2),
+        ("llama", 4, "1f1b", 1),  # grouped-query attention, rotary tables, an untied head
+        ("transformer", 6, "gpipe", 1),  # 3 x 1 x 2: the middle ranks hold no tied piece
+    ],
+)
+def test_more_layouts_equal_eager(
+    tmp_path: Path, name: str, world: int, schedule: str, spr: int
+) -> None:
+    runs = launch(train, world, tmp_path, name=name, schedule=schedule, spr=spr, tp=2)
+    _check(results(runs), 2, name)
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """The messages of the meshes tensor parallelism refuses, before any communication."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    auto = ScheduleOptions(n_microbatches=1, tensor_parallel="auto")
+    plain = ScheduleOptions(n_microbatches=1)
+    cases = [
+        (init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp")), auto),
+        (init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp")), auto),
+        (init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp")), plain),
+    ]
+    said = []
+    for mesh, options in cases:
+        with pytest.raises(ConfigError) as caught:
+            mesh_layout(mesh, None, options)
+        said.append(str(caught.value))
+    return said
+
+
+def test_meshes_tensor_parallelism_cannot_run_on_are_refused(tmp_path: Path) -> None:
+    for said in results(launch(_refusals, 2, tmp_path)):
+        assert "tensor parallelism needs a 3-D mesh named ('pp', 'dp', 'tp')" in said[0]
+        assert "runs with one pipeline replica so far: make the mesh with dp=1" in said[1]
+        assert "(a 'tp' dimension needs tensor_parallel='auto')" in said[2]
+
+
+def test_tensor_parallel_without_a_mesh_is_refused() -> None:
+    options = ScheduleOptions(n_microbatches=1, tensor_parallel="auto")
+    with pytest.raises(ConfigError, match=r"tensor_parallel='auto' needs a mesh with a 'tp'"):
+        mesh_layout(None, None, options)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "said"),
+    [
+        ({"tensor_parallel": "yes"}, r"tensor_parallel='yes' is not one of \('auto', None\)"),
+        ({"compile": True}, r"compile= with tensor_parallel='auto' is not run yet"),
+        (
+            {"schedule": "zbvzerobubble", "stages_per_rank": 2},
+            r"schedule='zbvzerobubble' with tensor_parallel='auto' is not run yet",
+        ),
+    ],
+)
+def test_what_tensor_parallelism_does_not_run_with_is_refused(
+    keywords: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(ConfigError, match=said):
+        ScheduleOptions(**{"n_microbatches": 2, "tensor_parallel": "auto", **keywords})
+
+
+def _hf_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = out["logits"]
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), target.flatten(), reduction="sum"
+    )
+
+
+def _hf_pipelined(rank: int, world: int, *, name: str) -> dict[str, Any]:
+    """transformers' ``name`` (export-traced) on a (world / 2) x 1 x 2 mesh, one GPipe step;
+    the loss and every gradient (gathered whole) beside the eager model's."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.passes.tensor.test_plan import MODELS, VOCAB
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MODELS[name]()
+        ids = torch.randint(0, VOCAB, (4, 8))
+        target = torch.randint(0, VOCAB, (4, 8))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pipe = fd.pipeline_schedule(
+        model, (ids,), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False, mesh=mesh,
+        schedule="gpipe", tensor_parallel="auto",
+    )  # fmt: skip
+    losses = step(pipe, (ids,), {}, target)
+    pipe.sync_tied_gradients()
+    grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
+    loss = _hf_loss(reference(ids), target)
+    loss.backward()
+    expected = dict(reference.named_parameters(remove_duplicate=False))
+    return {
+        "loss": (float(sum(losses)) if losses else None, loss.item()),
+        "grads": {k: (g, expected[k].grad) for k, g in grads.items()},
+        "cut": sorted(k for k, p in pipe.named_parameters() if is_dtensor(p)),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_transformers_models_pipelined_and_cut_equal_eager(tmp_path: Path, name: str) -> None:
+    runs = results(launch(_hf_pipelined, 4, tmp_path, name=name))
+    last = [r["loss"] for r in runs if r["loss"][0] is not None]
+    assert len(last) == 2  # each "tp" rank of the last stage
+    for got, want in last:
+        assert got == pytest.approx(want, rel=1e-5)
+    seen = set()
+    for r in runs:
+        assert r["cut"]  # each stage holds DTensors
+        for key, (grad, eager) in r["grads"].items():
+            close(grad, eager, f"grad of {key}")
+            seen.add(key)
+    assert len(seen) >= 2 * 7  # every block's products at least
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def _save_cut_load_whole(rank: int, world: int, *, folder: str) -> dict[str, Any]:
+    """One step at 2 x 1 x 2 (the stages cut over "tp": DTensors, the fused q, k, v placed
+    strided), saved with torch.distributed.checkpoint; then loaded at 4 x 1 without tensor
+    parallelism and at 1 x 1 x 4 (one stage cut over 4 ranks), each taking two more steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, args, _, _, target = problem("transformer", BATCH)
+    out: dict[str, Any] = {}
+    layouts = {
+        "save": ((2, 1, 2), ("pp", "dp", "tp")),
+        "whole": ((4, 1), ("pp", "dp")),
+        "cut": ((1, 1, 4), ("pp", "dp", "tp")),
+    }
+    for layout, (shape, names) in layouts.items():
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        pipe = fd.pipeline_schedule(
+            tiny_gpt(), args, n_microbatches=N_MB, loss_fn=lm_mean, scale_grads=True,
+            mesh=mesh, schedule="1f1b", tensor_parallel="auto" if "tp" in names else None,
+        )  # fmt: skip
+        optimizer = sgd(pipe.parameters())
+        if layout == "save":
+            out["losses"] = train_steps(pipe, optimizer, args, target, 1)
+            pipe.save_checkpoint(folder, optimizer)
+            continue
+        pipe.load_checkpoint(folder, optimizer)
+        # cloned: a replicated DTensor's full_tensor() is its own storage, which steps change
+        out[layout] = {k: whole(v).clone() for k, v in pipe.state_dict().items()}
+        out[f"{layout} resumed"] = train_steps(pipe, optimizer, args, target, 2)
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_cut_over_tp_resumes_uncut_and_in_eager(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "checkpoint"
+    per_rank = results(launch(_save_cut_load_whole, 4, tmp_path, folder=str(folder)))
+    _, args, _, _, target = problem("transformer", BATCH)
+    eager = tiny_gpt()
+    optimizer = sgd(eager.parameters())
+    losses, after_first = [], {}
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = lm_mean(eager(*args), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        after_first = after_first or {k: v.clone() for k, v in eager.state_dict().items()}
+    first = [r["losses"][0] for r in per_rank if r["losses"][0] == r["losses"][0]]
+    assert first == pytest.approx([losses[0]] * 2, rel=1e-5)  # each "tp" coordinate's
+    for layout, last in (("whole", 1), ("cut", 4)):  # ranks whose (last) stage has the loss
+        loaded = fd.merge_state_dicts(r[layout] for r in per_rank)
+        assert loaded.keys() == after_first.keys()
+        for key, value in loaded.items():
+            _same(value, after_first[key], f"{key} after one step, saved cut, loaded {layout}")
+        resumed = [r[f"{layout} resumed"] for r in per_rank]
+        resumed = [losses for losses in resumed if losses[0] == losses[0]]
+        assert len(resumed) == last
+        for got in resumed:
+            assert got == pytest.approx(losses[1:], rel=1e-4), layout
+    state = tiny_gpt().state_dict()
+    dcp.load({"model": state}, checkpoint_id=str(folder))  # one process: the eager model
+    for key, value in state.items():
+        _same(value, after_first[key], f"{key} read by the eager model")
+
+
+def _same(value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if value.is_floating_point():
+        close(value, expected, what)
+    else:
+        assert torch.equal(value, expected), what
