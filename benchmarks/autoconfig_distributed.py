@@ -267,13 +267,14 @@ class _Tiny(nn.Module):
 
 
 #: (schedule, stages per rank, few and many micro-batches), and per micro-batch on a rank:
-#: stage passes (forward, backward; a split backward's two halves count two) and messages
-#: (a send or a receive of one border's values: the looped placement's stages all border
-#: the other rank; a V's tip sends nothing).
+#: stage passes (forward, backward) and messages (a send or a receive of one border's values:
+#: the looped placement's stages all border the other rank; a V's tip sends nothing), and
+#: the Parameters whose weight part a split backward computes apart (none for the others).
 CALIBRATION = {
-    "gpipe": ("gpipe", 1, (1, 32), 2, 2),
-    "loopedbfs": ("loopedbfs", 2, (2, 32), 4, 6),
-    "zbv": ("zbvzerobubble", 2, (4, 32), 6, 4),
+    "gpipe": ("gpipe", 1, (1, 32), 2, 2, 0),
+    "interleaved1f1b": ("interleaved1f1b", 2, (2, 32), 4, 6, 0),
+    "interleavedzerobubble": ("interleavedzerobubble", 2, (2, 32), 4, 6, 8),
+    "zbv": ("zbvzerobubble", 2, (4, 32), 4, 4, 8),
 }
 
 
@@ -283,7 +284,7 @@ def calibrate_job(rank: int, world: int, repeats: int) -> dict[str, Any]:
     problem: Problem = (_Tiny(), (x,), {}, torch.zeros(64), lambda out, _: out.pow(2).mean())
     pipes = {
         f"{name} M={m}": _build(problem, schedule, m, v)
-        for name, (schedule, v, counts, _, _) in CALIBRATION.items()
+        for name, (schedule, v, counts, *_) in CALIBRATION.items()
         for m in counts
     }
     holder = nn.ModuleList(m for p in pipes.values() for m in p.stage_modules)
@@ -296,30 +297,36 @@ def calibrate_job(rank: int, world: int, repeats: int) -> dict[str, Any]:
 
 
 def calibrate(repeats: int) -> dict[str, Any]:
-    """The distributed runtime's fixed costs on this machine: per stage pass and per message,
-    fitted (least squares) to each schedule's added time per micro-batch on a model of
-    tiny products."""
+    """The distributed runtime's fixed costs on this machine, fitted (least squares) to each
+    schedule's added time per micro-batch on a model of tiny products (8 layers: each
+    rank holds 8 Parameters): per stage pass, per message, and per Parameter whose weight
+    part a split backward computes apart (torch's weight pass calls autograd once per
+    group of Parameters)."""
     wall = on_ranks(calibrate_job, WORLD, repeats)
     median = {k: statistics.median(v) for k, v in wall.items()}
     rows, added = [], []
-    for name, (_, _, (few, many), passes, messages) in CALIBRATION.items():
+    for name, (_, _, (few, many), *counts) in CALIBRATION.items():
         per = (median[f"{name} M={many}"] - median[f"{name} M={few}"]) / (many - few)
-        rows.append([float(passes), float(messages)])
+        rows.append([float(c) for c in counts])
         added.append(per)
     fit = torch.linalg.lstsq(
         torch.tensor(rows, dtype=torch.float64),
         torch.tensor(added, dtype=torch.float64).unsqueeze(1),
     ).solution
-    pass_s, message_s = (float(v) for v in fit.squeeze(1))
-    for (name, (_, _, _, passes, messages)), per in zip(CALIBRATION.items(), added, strict=True):
-        model = passes * pass_s + messages * message_s
+    found = [float(v) for v in fit.squeeze(1)]
+    for (name, (*_, passes, messages, params)), per, row in zip(
+        CALIBRATION.items(), added, rows, strict=True
+    ):
+        model = sum(c * f for c, f in zip(row, found, strict=True))
         print(f"{name}: {per * 1e6:.0f} us per micro-batch measured, {model * 1e6:.0f} us fitted "
-              f"({passes} passes, {messages} messages)")  # fmt: skip
-    print(f"runtime costs: {pass_s * 1e6:.0f} us per stage pass, "
-          f"{message_s * 1e6:.0f} us per message")  # fmt: skip
+              f"({passes} passes, {messages} messages, {params} Parameters)")  # fmt: skip
+    pass_s, message_s, weight_s = found
+    print(f"runtime costs: {pass_s * 1e6:.0f} us per stage pass, {message_s * 1e6:.0f} us per "
+          f"message, {weight_s * 1e6:.0f} us per Parameter of a split backward")  # fmt: skip
     return {
         "pass_s": pass_s,
         "message_s": message_s,
+        "weight_s": weight_s,
         "per_micro_batch_s": dict(zip(CALIBRATION, added, strict=True)),
         "step_ms": {k: round(1e3 * v, 3) for k, v in median.items()},
     }

@@ -11,14 +11,14 @@ relayed boundary values, as ``fd.pipeline_schedule`` plans it (pass it the same 
 
 Step time. A stage's cost (FLOP / ``device_flops``, or roofline or profiled seconds) is for
 the whole batch, so one micro-batch takes ``t_j = cost_j / (dp m)`` (the roofline's
-per-kernel and per-weight cost, found by pricing at one and two micro-batches, is added
-once per micro-batch), and so is the runtime's own cost per stage pass (:class:`RuntimeCosts`,
-measured per kind of device: 2 passes, forward and backward, or 3 where the backward is
-split). ``T_r`` sums rank r's stages; ``C_r`` moves the values entering them from another
-rank (activations forward, gradients back, relayed ones included) over ``link_bandwidth``,
-and pays the runtime's cost per message on each side of every border between ranks: one
-per value crossing it per micro-batch, one more where its gradient comes back; ``G_r`` is
-the bytes of its gradients::
+per-kernel and per-weight cost, found by pricing at one and two micro-batches, is added once
+per micro-batch), and so is the runtime's own cost per stage pass (:class:`RuntimeCosts`,
+measured per kind of device: 2 passes, forward and backward, and where the backward is split
+a cost per Parameter for its weight part computed apart). ``T_r`` sums rank r's stages;
+``C_r`` moves the values entering them from another rank (activations forward, gradients
+back, relayed ones included) over ``link_bandwidth``, and pays the runtime's cost per
+message on each side of every border between ranks: one per value crossing it per
+micro-batch, one more where its gradient comes back; ``G_r`` is the bytes of its gradients::
 
     compute   = m * max_r T_r                              busy time of the busiest rank
     bubble    = z (sum_r T_r - max_r T_r) / v              fill and drain
@@ -122,6 +122,7 @@ from fxpipe.passes.partition.cost_graph import (
 from fxpipe.passes.partition.memory import param_copies
 from fxpipe.passes.partition.search import partition_graph
 from fxpipe.passes.price.estimate import estimate_costs
+from fxpipe.passes.price.roofline import step_roofline_for
 from fxpipe.passes.split.plan import build_plan, stage_memory, stage_parameters
 from fxpipe.trace.tracing import Traced, fake_runnable
 
@@ -168,17 +169,23 @@ class RuntimeCosts:
     #: Per point-to-point message: a send or a receive of one border's values for one
     #: micro-batch (posting it and waiting for it, besides its bytes over the link).
     message_s: float
+    #: Per Parameter of a stage whose backward is split, per micro-batch: the weight part
+    #: computed apart (torch's weight pass calls autograd once per group of Parameters).
+    weight_s: float = 0.0
 
 
 #: Per kind of device. CPU (gloo): ``python -m benchmarks.autoconfig_distributed
 #: --calibrate`` on a 2-core x86 machine, 2 processes, stages of tiny products, fitted to
-#: GPipe's, looped BFS's and ZBV's added time per micro-batch (1.56, 4.12 and 3.76 ms, fitted
-#: within 1%): 304 us per pass, 484 us per message. CUDA (NCCL), not measured: a pass is the
-#: same host work, and a message NCCL's small-message latency with the posting and the wait
-#: around it, some tens of microseconds.
+#: GPipe's, interleaved 1F1B's, interleaved zero bubble's and ZBV's added time per
+#: micro-batch (1.54, 4.10, 5.18 and 4.20 ms, fitted within 1%): 284 us per pass, 493 us
+#: per message, 136 us per Parameter of a split backward (two runs; the split between pass
+#: and message moved by a third between them, their sum much less). CUDA (NCCL), not
+#: measured: a pass and a weight part are the same host work, and a message NCCL's
+#: small-message latency with the posting and the wait around it, some tens of
+#: microseconds.
 RUNTIME_COSTS: Mapping[str, RuntimeCosts] = {
-    "cpu": RuntimeCosts(pass_s=300e-6, message_s=480e-6),
-    "cuda": RuntimeCosts(pass_s=300e-6, message_s=50e-6),
+    "cpu": RuntimeCosts(pass_s=280e-6, message_s=490e-6, weight_s=135e-6),
+    "cuda": RuntimeCosts(pass_s=280e-6, message_s=50e-6, weight_s=135e-6),
 }
 #: No fixed costs: the formulas alone (what :func:`estimate` defaults to).
 NO_RUNTIME_COSTS = RuntimeCosts(pass_s=0.0, message_s=0.0)
@@ -344,6 +351,9 @@ def _costs(
         mode=mode,
         device=device,
         micro_batches=micro_batches,
+        # a whole step's roofline, as chunks="auto" prices counts with: its per-kernel cost
+        # is what a node costs in a stage, and small micro-batches get no cache's speed
+        roofline=step_roofline_for(device.type) if mode == "roofline" else None,
     )
 
 
@@ -441,9 +451,11 @@ def estimate(
     ranks = placement(schedule, pp, v)
     rank_of = ranks_of(schedule, pp, v)
     share = 1.0 / (dp * m)  # of the global batch, per micro-batch
-    passes = 3 if schedule in SPLIT_BACKWARD else 2
-    t = [s * share + f + passes * costs.pass_s
-         for s, f in zip(split.scaled_s, split.fixed_s, strict=True)]  # fmt: skip
+    apart = costs.weight_s if schedule in SPLIT_BACKWARD else 0.0  # per Parameter
+    t = [
+        s * share + f + 2 * costs.pass_s + apart * len(held)
+        for s, f, held in zip(split.scaled_s, split.fixed_s, split.params, strict=True)
+    ]
     k = len(rank_of)
     crosses = [j > 0 and rank_of[j] != rank_of[j - 1] for j in range(k)]  # border j-1 | j
     # messages per micro-batch over the border before each stage (each value forward, each

@@ -151,28 +151,31 @@ def test_balanced_stages_give_megatrons_bubble() -> None:
         assert e.bubble == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("loopedbfs", 2), ("zbvzerobubble", 2)])
-# (virtual= is the looped schedules' stages per rank; GPipe's is 1 whatever it says)
-def test_runtime_costs_add_per_pass_and_per_message(schedule: str, v: int) -> None:
-    """Balanced ranks, costs of 1 ms per stage pass and 10 ms per message: each rank's
-    micro-batch takes ``passes x 1 ms + messages x 10 ms`` more (GPipe 2 passes and 2
-    messages, looped BFS at 2 stages per rank 4 and 6, ZBV 6 and 4: the counts its
-    calibration fits), paid ``m`` times plus once in the fill's idle share."""
+@pytest.mark.parametrize("schedule", ["gpipe", "loopedbfs", "zbvzerobubble"])
+def test_runtime_costs_add_per_pass_message_and_split_parameter(schedule: str) -> None:
+    """Balanced ranks of a chain of 8 Linear layers, costs of 1 ms per stage pass, 10 ms
+    per message and 100 ms per Parameter of a split backward: each rank's micro-batch takes
+    ``passes x 1 ms + messages x 10 ms + parameters x 100 ms`` more (GPipe 2 passes and 2
+    messages, looped BFS at 2 stages per rank 4 and 6, ZBV 4 and 4 and its 8 Parameters:
+    the counts its calibration fits), paid ``m`` times plus once in the fill's idle share."""
     x = torch.randn(16, 64)
-    costs = layout_estimate.RuntimeCosts(pass_s=1e-3, message_s=10e-3)
+    costs = layout_estimate.RuntimeCosts(pass_s=1e-3, message_s=10e-3, weight_s=100e-3)
     free, priced = (
         {(e.schedule, e.chunks): e for e in fd.suggest_layout(
             _chain(), x, 2, schedules=[schedule], virtual=[2], runtime_costs=c) if e.pp == 2}
         for c in (layout_estimate.NO_RUNTIME_COSTS, costs)
     )  # fmt: skip
-    passes, messages = {"gpipe": (2, 2), "loopedbfs": (4, 6), "zbvzerobubble": (6, 4)}[schedule]
-    per = passes * 1e-3 + messages * 10e-3
+    passes, messages, params = {
+        "gpipe": (2, 2, 0), "loopedbfs": (4, 6, 0), "zbvzerobubble": (4, 4, 8)
+    }[schedule]  # fmt: skip
+    per = passes * 1e-3 + messages * 10e-3 + params * 100e-3
     assert free.keys() == priced.keys() and free
     for key, e in priced.items():
-        idle = IDLE.get(schedule, 1.0) / v
+        idle = e.fill / e.virtual
         added = e.chunks * per + idle * per  # two ranks: the fill pays the other one once
         assert e.step_s - free[key].step_s == pytest.approx(added, rel=1e-9)
-        assert e.rank_s[0] - free[key].rank_s[0] == pytest.approx(passes * 1e-3, rel=1e-9)
+        busy = passes * 1e-3 + params * 100e-3
+        assert e.rank_s[0] - free[key].rank_s[0] == pytest.approx(busy, rel=1e-9)
 
 
 def test_the_default_runtime_costs_are_the_devices_kinds() -> None:
