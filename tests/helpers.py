@@ -84,3 +84,13 @@ def follow_node(rules: Rules, node: str, layouts: dict[str, Layout]) -> Any:
     """How the cut ``layouts`` of its inputs pass through the node named ``node``."""
     n = next(n for n in rules.gm.graph.nodes if n.name == node)
     return follow(n, layouts, rules)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, the first of a tuple, or a
+    transformers output's ``logits``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return logits_of(out[0])
+    return out["logits"]  # type: ignore[no-any-return]

@@ -86,17 +86,7 @@ class PlacedColwise(ColwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            lambda m, inputs, mesh: self._prepare_input_fn(  # type: ignore[no-untyped-call]
-                self.input_layouts, self.desired_input_layouts, m, inputs, mesh
-            ),
-            lambda m, outputs, mesh: self._prepare_output_fn(
-                self.output_layouts, self.use_local_output, m, outputs, mesh
-            ),
-        )
+        return _with_style(self, module, device_mesh)
 
 
 class PlacedRowwise(RowwiseParallel):
@@ -113,14 +103,20 @@ class PlacedRowwise(RowwiseParallel):
             _place(module, mesh, self.placements, self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            lambda m, inputs, mesh: self._prepare_input_fn(  # type: ignore[no-untyped-call]
-                self.input_layouts, self.desired_input_layouts, m, inputs, mesh
-            ),
-            lambda m, outputs, mesh: self._prepare_output_fn(  # type: ignore[no-untyped-call]
-                self.output_layouts, self.use_local_output, m, outputs, mesh
-            ),
-        )
+        return _with_style(self, module, device_mesh)
+
+
+def _with_style(style: Any, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``distribute_module`` as torch's own styles call it: ``style``'s placement of the
+    parameters (its ``_partition``) and its preparation of the inputs and outputs."""
+    return distribute_module(
+        module,
+        mesh,
+        style._partition,
+        lambda m, inputs, mesh: style._prepare_input_fn(
+            style.input_layouts, style.desired_input_layouts, m, inputs, mesh
+        ),
+        lambda m, outputs, mesh: style._prepare_output_fn(
+            style.output_layouts, style.use_local_output, m, outputs, mesh
+        ),
+    )

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
 
 import pytest
 import torch
 import torch.fx as fx
+from helpers import logits_of
 from oracle import relative_error
 from torch import nn
 
@@ -32,14 +32,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _node(gm: fx.GraphModule, name: str) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.name == name)
-
-
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return _logits(out[0])
-    return out["logits"]  # type: ignore[no-any-return]
 
 
 def test_the_toy_heads_are_halved_and_its_products_are_modules_of_its_own_parameters() -> None:
@@ -93,7 +85,7 @@ def test_run_whole_the_local_program_computes_eagers_outputs_and_gradients(name:
     local = local_program(p.gm, one)
     generated = [m for m in local.modules() if type(m) in (CutLinear, CutInOut, CutEmbedding)]
     assert len(generated) == len(p.plan.node_styles)  # one per cut node
-    got, want = _logits(local(*p.example)), _logits(p.gm(*p.example))
+    got, want = logits_of(local(*p.example)), logits_of(p.gm(*p.example))
     assert relative_error(got, want) < 1e-6
     params = dict(p.gm.named_parameters())
     weights = torch.linspace(-1.0, 1.0, want.numel()).reshape(want.shape)

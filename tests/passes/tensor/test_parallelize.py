@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import logits_of
 
 from fxpipe.errors import ConfigError
 from fxpipe.passes.tensor.parallelize import parallelize_stage
@@ -27,14 +28,6 @@ pytest.importorskip("transformers")
 preload(__name__)
 
 SLOW = pytest.mark.slow
-
-
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return _logits(out[0])
-    return out["logits"]  # type: ignore[no-any-return]
 
 
 class _Said(logging.Handler):
@@ -65,7 +58,7 @@ def _cut_stage(rank: int, world: int, *, name: str) -> dict[str, Any]:
     logging.getLogger("fxpipe").addHandler(said)
     logging.getLogger("fxpipe").setLevel(logging.INFO)
     stage = parallelize_stage(gm, plan, init_device_mesh("cpu", (world,)))
-    got, want = _logits(stage(*example)), _logits(reference(ids))
+    got, want = logits_of(stage(*example)), logits_of(reference(ids))
     weights = torch.linspace(-1.0, 1.0, want.numel(), dtype=torch.float64).reshape(want.shape)
     (got * weights).sum().backward()
     (want * weights).sum().backward()

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.fx as fx
+from helpers import logits_of
 from models import TinyGPT
 from oracle import relative_error
 from tensor_emulation import emulate
@@ -209,16 +210,8 @@ def test_the_printed_plan_names_each_group() -> None:
 # -------------------------------------------------------------------------------- numerics
 
 
-def _logits(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return _logits(out[0])
-    return out["logits"]  # type: ignore[no-any-return]
-
-
 def _grads(gm: fx.GraphModule, out: Any) -> dict[str, torch.Tensor]:
-    logits = _logits(out)
+    logits = logits_of(out)
     weights = torch.linspace(-1.0, 1.0, logits.numel()).reshape(logits.shape)
     params = dict(gm.named_parameters())
     grads = torch.autograd.grad((logits * weights).sum(), list(params.values()))
@@ -232,9 +225,9 @@ def _grads(gm: fx.GraphModule, out: Any) -> dict[str, torch.Tensor]:
 )  # fmt: skip
 def test_the_ranks_compute_eagers_outputs_and_gradients(name: str, tp: int, stages: int) -> None:
     p = planned(name, tp, stages)
-    want = _logits(p.model(*p.example))
+    want = logits_of(p.model(*p.example))
     got = emulate(p.gm, p.plan, p.example)
-    assert relative_error(_logits(got), want) < 1e-5
+    assert relative_error(logits_of(got), want) < 1e-5
     whole = _grads(p.gm, p.gm(*p.example))
     cut = _grads(p.gm, got)
     for param, grad in whole.items():
@@ -251,8 +244,8 @@ def test_the_oracle_sees_a_wrong_cut() -> None:
         for name, spec in p.plan.params.items()
     }
     wrong = dataclasses.replace(p.plan, params=params)
-    got = _logits(emulate(p.gm, wrong, p.example))
-    assert relative_error(got, _logits(p.model(*p.example))) > 1e-2
+    got = logits_of(emulate(p.gm, wrong, p.example))
+    assert relative_error(got, logits_of(p.model(*p.example))) > 1e-2
 
 
 # --------------------------------------------------------------------- how groups are chosen
