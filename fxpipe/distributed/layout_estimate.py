@@ -260,7 +260,9 @@ class LayoutEstimate:
                                         **estimate.options.keywords())
 
         ``pipeline_schedule`` checks that the ranks make ``num_stages``; every layout
-        ``suggest_layout`` ranks has micro-batches its schedule runs."""
+        ``suggest_layout`` ranks has micro-batches its schedule runs. With ``tp > 1``:
+        ``tensor_parallel="auto"`` on a ``("pp", "dp", "tp")`` mesh (``pipeline_schedule``
+        runs ``dp == 1`` so far and refuses the others with a ConfigError)."""
         return ScheduleOptions(
             n_microbatches=self.chunks,
             schedule=self.schedule,
@@ -270,6 +272,7 @@ class LayoutEstimate:
             tracer=self.tracer,
             slack=self.slack,
             data_parallel=self.data_parallel,
+            tensor_parallel="auto" if self.tp > 1 else None,
         )
 
 

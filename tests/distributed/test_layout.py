@@ -107,6 +107,7 @@ def test_terms_match_the_formulas() -> None:
         assert (e.allreduce_s == 0) == (e.dp == 1)
 
 
+@cache
 def _weight_share() -> float:
     """The MLP's weight-gradient share, written out: a third of its Linear layers' cost (its
     LayerNorms' scales have element-wise gradients)."""
