@@ -172,7 +172,7 @@ def _hf_pipelined(rank: int, world: int, *, name: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
 def test_transformers_models_pipelined_and_cut_equal_eager(tmp_path: Path, name: str) -> None:
     runs = results(launch(_hf_pipelined, 4, tmp_path, name=name))
     last = [r["loss"] for r in runs if r["loss"][0] is not None]

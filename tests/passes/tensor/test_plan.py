@@ -52,6 +52,17 @@ def _llama(kv_heads: int = 2) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def _qwen2() -> nn.Module:
+    """A third family: Qwen2's attention has biases on q, k and v (cut with their columns)
+    and grouped key-value heads."""
+    config = transformers.Qwen2Config(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+        use_cache=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)
+
+
 MODELS = {
     # the zoo's GPT: fx-traced, nn.Linear calls, a fused q, k, v viewed as (3, heads, dim),
     # matmul-softmax-matmul attention, the head tied to the token embedding
@@ -59,6 +70,7 @@ MODELS = {
     "odd_heads": lambda: TinyGPT(vocab=VOCAB, width=48, heads=3, layers=2, p=0.0),
     "gpt2": _gpt2,
     "llama": _llama,
+    "qwen2": _qwen2,
 }
 
 
