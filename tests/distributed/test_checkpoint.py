@@ -54,6 +54,26 @@ def _train_steps(
     return out
 
 
+def _eager_steps(
+    args: Any, target: torch.Tensor, steps: int = 3
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The oracle of a resumed run: the tied-embedding transformer trained eagerly, the
+    same optimizer and loss, for ``steps`` steps; each step's loss, and the state after the
+    first (what a checkpoint saved then holds)."""
+    eager = tiny_gpt()
+    optimizer = _optimizer(eager.parameters())
+    losses: list[float] = []
+    after_first: dict[str, torch.Tensor] = {}
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = _lm_mean(eager(*args), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        after_first = after_first or {k: v.clone() for k, v in eager.state_dict().items()}
+    return losses, after_first
+
+
 def _resume(
     rank: int, world: int, *, folder: str, other: str, data_parallel: str, schedule: str
 ) -> dict[str, Any]:
@@ -122,17 +142,7 @@ def test_a_checkpoint_saved_at_two_by_two_resumes_at_four_by_one_and_in_eager(
         assert "does not match stage(s)" in r["refused"][0] and "it lacks" in r["refused"][0]
         assert "not a torch.distributed.checkpoint folder" in r["refused"][1]
     _, args, _, _, target = problem("transformer", 2 * BATCH)
-    eager = tiny_gpt()
-    optimizer = _optimizer(eager.parameters())
-    losses = []
-    after_first: dict[str, torch.Tensor] = {}
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = _lm_mean(eager(*args), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        after_first = after_first or {k: v.clone() for k, v in eager.state_dict().items()}
+    losses, after_first = _eager_steps(args, target)
     replicas = [r["losses"][0] for r in per_rank if r["losses"][0] == r["losses"][0]]
     assert len(replicas) == 2  # each replica's mean loss: their mean is the global one
     assert sum(replicas) / 2 == pytest.approx(losses[0], rel=1e-5)

@@ -32,6 +32,7 @@ from tests.distributed.ranks import (
     train,
     whole,
 )
+from tests.distributed.test_checkpoint import _eager_steps as eager_steps
 from tests.distributed.test_checkpoint import _lm_mean as lm_mean
 from tests.distributed.test_checkpoint import _optimizer as sgd
 from tests.distributed.test_checkpoint import _train_steps as train_steps
@@ -229,16 +230,7 @@ def test_a_checkpoint_saved_cut_over_tp_resumes_uncut_and_in_eager(tmp_path: Pat
     folder = tmp_path / "checkpoint"
     per_rank = results(launch(_save_cut_load_whole, 4, tmp_path, folder=str(folder)))
     _, args, _, _, target = problem("transformer", BATCH)
-    eager = tiny_gpt()
-    optimizer = sgd(eager.parameters())
-    losses, after_first = [], {}
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = lm_mean(eager(*args), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        after_first = after_first or {k: v.clone() for k, v in eager.state_dict().items()}
+    losses, after_first = eager_steps(args, target)
     first = [r["losses"][0] for r in per_rank if r["losses"][0] == r["losses"][0]]
     assert first == pytest.approx([losses[0]] * 2, rel=1e-5)  # each "tp" coordinate's
     for layout, last in (("whole", 1), ("cut", 4)):  # ranks whose (last) stage has the loss
