@@ -60,7 +60,7 @@ from torch import nn
 import fxpipe
 from benchmarks.harness.machine import machine_record
 from benchmarks.harness.models.steps import MODELS as STEP_MODELS
-from benchmarks.harness.models.steps import Batch, Loss
+from benchmarks.harness.models.steps import Batch, Loss, TinyProducts
 from benchmarks.harness.models.zoo_nets import ResidualMLP, UNet
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.timing import paired_ratio, time_interleaved
@@ -392,17 +392,6 @@ def _print(rows: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------ calibrate
 
 
-class _Tiny(nn.Module):
-    def __init__(self, layers: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
 def _sync(device: str) -> None:
     """Waits for the GPU's queued work (a step's clock stops when its kernels finished)."""
     if torch.device(device).type == "cuda":
@@ -416,7 +405,7 @@ def calibrate(repeats: int, device: str = "cpu") -> dict[str, float]:
     x = torch.randn(64, 4, device=device)
     variants: dict[str, Callable[[], None]] = {}
     for layers in (8, 64):
-        model = _Tiny(layers).to(device)
+        model = TinyProducts(layers).to(device)
         for k, m, mode in [(1, 1, "never"), (4, 1, "never"), (4, 32, "never"),
                            (4, 32, "always")]:  # fmt: skip
             pipe = fxpipe.pipeline(copy.deepcopy(model), x, [device] * k, chunks=m,

@@ -46,6 +46,7 @@ from torch import nn
 import fxpipe.distributed as fd
 from benchmarks.harness.machine import machine_record
 from benchmarks.harness.models.steps import MODELS as STEP_MODELS
+from benchmarks.harness.models.steps import TinyProducts
 from benchmarks.harness.models.zoo_nets import ResidualMLP
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.processes import on_ranks
@@ -253,19 +254,6 @@ def _print(rows: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------ calibrate
 
 
-class _Tiny(nn.Module):
-    """Products of 4 features: every stage pass and message costs its fixed time alone."""
-
-    def __init__(self, layers: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
-
-
 #: (schedule, stages per rank, few and many micro-batches), and per micro-batch on a rank:
 #: stage passes (forward, backward) and messages (a send or a receive of one border's values:
 #: the looped placement's stages all border the other rank; a V's tip sends nothing), and
@@ -281,7 +269,8 @@ CALIBRATION = {
 def calibrate_job(rank: int, world: int, repeats: int) -> dict[str, Any]:
     torch.manual_seed(0)
     x = torch.randn(64, 4)
-    problem: Problem = (_Tiny(), (x,), {}, torch.zeros(64), lambda out, _: out.pow(2).mean())
+    tiny = TinyProducts(8, torch.tanh)
+    problem: Problem = (tiny, (x,), {}, torch.zeros(64), lambda out, _: out.pow(2).mean())
     pipes = {
         f"{name} M={m}": _build(problem, schedule, m, v)
         for name, (schedule, v, counts, *_) in CALIBRATION.items()

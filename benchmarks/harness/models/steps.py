@@ -1,6 +1,7 @@
 """Small models for timing one training step, each with a batch and a loss: a ResNet-like
 CNN, a GPT-2 decoder and a BERT encoder from transformers configs (their losses inside the
-model), shared by the compile and autoconfig benchmarks."""
+model), shared by the compile and autoconfig benchmarks; and a chain of tiny products, whose
+compute is negligible, for measuring a runtime's fixed costs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "Batch", "Loss", "SmallResNet", "BATCH", "LENGTH"]
+__all__ = ["MODELS", "Batch", "Loss", "SmallResNet", "TinyProducts", "BATCH", "LENGTH"]
 
 BATCH, LENGTH = 16, 64
 
@@ -19,6 +20,23 @@ BATCH, LENGTH = 16, 64
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 #: The model's output -> the loss to differentiate.
 Loss = Callable[[Any], torch.Tensor]
+
+
+class TinyProducts(nn.Module):
+    """``layers`` products of 4 features, each followed by ``activation``: every node, stage
+    pass and message costs its fixed time alone (the autoconfig benchmarks' calibrations)."""
+
+    def __init__(
+        self, layers: int, activation: Callable[[torch.Tensor], torch.Tensor] = torch.relu
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(layers))
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self.activation(layer(x))
+        return x
 
 
 class _Block(nn.Module):
