@@ -4,13 +4,15 @@ beside the eager model, ``torch.compile(model)`` and the uncompiled pipeline, in
 Run from the repository root::
 
     python -m benchmarks.compile [--out PATH] [--repeats N] [--device cpu|cuda]
-                                 [--models cnn,decoder,encoder]
+                                 [--models cnn,decoder,encoder] [--mode MODE]
 
 Per model (a small ResNet-like CNN, a GPT-2 decoder and a BERT encoder from transformers
 configs, their losses inside the model for the two transformers ones), variants of one
 training step (forward, loss, backward, gradients zeroed first), on one device:
 
-- ``eager``: the model; ``compiled``: ``torch.compile(model)`` (inductor, default settings);
+- ``eager``: the model; ``compiled``: ``torch.compile(model)`` (inductor, default settings,
+  or ``--mode``: ``reduce-overhead`` replays CUDA graphs on a GPU; every compiled variant
+  below takes the same mode);
 - ``compiled by hand M=4``: that compiled model over 4 micro-batches one after another,
   gradients accumulating: what micro-batching costs on one device whatever runs it;
 - ``pipeline M=m`` and ``compiled pipeline M=m`` for m = 1 and 4: ``fxpipe.pipeline`` over
@@ -84,11 +86,12 @@ def _step(
 
     def step() -> torch.Tensor:
         params.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs (--mode): a new step
         value = loss(module(*args, **kwargs))
         value.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return value.detach()
+        return value.detach().clone()
 
     return step
 
@@ -141,9 +144,10 @@ def _by_hand(
         for i in range(CHUNKS):
             chunk_args = tuple(part(a, i) for a in args)
             chunk_kwargs = {k: part(v, i) for k, v in kwargs.items()}
+            torch.compiler.cudagraph_mark_step_begin()  # each micro-batch its own replay
             value = loss(module(*chunk_args, **chunk_kwargs))
+            total += value.detach()  # read before the next replay reuses its memory
             value.backward()
-            total += value.detach()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return total
@@ -151,7 +155,9 @@ def _by_hand(
     return step
 
 
-def measure(name: str, repeats: int, device: torch.device) -> list[dict[str, Any]]:
+def measure(
+    name: str, repeats: int, device: torch.device, mode: str | None = None
+) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model, (args, kwargs), loss = MODELS[name]()
     model = model.to(device).train()
@@ -159,7 +165,8 @@ def measure(name: str, repeats: int, device: torch.device) -> list[dict[str, Any
         tuple(_on(a, device) for a in args),
         {k: _on(v, device) for k, v in kwargs.items()},
     )
-    compiled_model = torch.compile(model)
+    compiled_model = torch.compile(model, mode=mode)
+    options: dict[str, Any] | bool = {"mode": mode} if mode else True
     steps: dict[str, Step] = {
         "eager": _step(model, model, batch, loss, device),
         "compiled": _step(compiled_model, model, batch, loss, device),
@@ -172,13 +179,13 @@ def measure(name: str, repeats: int, device: torch.device) -> list[dict[str, Any
             copied = copy.deepcopy(model)
             pipe = fxpipe.pipeline(
                 copied, batch[0], [device, device], chunks=m, checkpoint="never",
-                example_kwargs=batch[1], compile=compiled,
+                example_kwargs=batch[1], compile=options if compiled else False,
             )  # fmt: skip
             pipes[key] = (pipe, copied)
             steps[key] = _step(pipe, copied, batch, loss, device)
     whole = copy.deepcopy(model)  # the traced graph compiled in one piece: no cut
     one = fxpipe.pipeline(whole, batch[0], [device], chunks=1, checkpoint="never",
-                          example_kwargs=batch[1], compile=True)  # fmt: skip
+                          example_kwargs=batch[1], compile=options)  # fmt: skip
     steps[ONE_STAGE] = _step(one, whole, batch, loss, device)
     compiled_keys = [k for k in steps if k.startswith("compiled")]
     first = {k: _first_steps(steps[k]) for k in compiled_keys}
@@ -297,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-cache", action="store_true",
         help="keep torch's compile caches (default: a fresh one, so compile times are cold)",
     )  # fmt: skip
+    parser.add_argument("--mode", default=None, help="torch.compile's mode, for every variant")
     a = parser.parse_args(argv)
     if not a.warm_cache:  # read when inductor first compiles, after this
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
@@ -307,11 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.models.split(","):
         print(f"{name}: building, compiling and timing ...", flush=True)
         try:
-            rows.extend(measure(name, a.repeats, device))
+            rows.extend(measure(name, a.repeats, device, a.mode))
         except ImportError as exc:  # transformers, on a machine without it
             print(f"{name}: skipped ({exc})")
     _print(rows, device)
     name = "compile" if device.type == "cpu" else f"compile_{device.type}"
+    name += f"_{a.mode.replace('-', '_')}" if a.mode else ""
     out = Path(a.out) if a.out else result_path(name)
     meta = {
         "command": command_line(),
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "cores": usable_cores(),
         "threads": torch.get_num_threads(),
         "compile_cache": "warm" if a.warm_cache else "cold",
+        "mode": a.mode,
         "python": platform.python_version(),
         **library_versions(("torch", "transformers")),
         "verdicts": _verdicts(rows),
