@@ -3,10 +3,13 @@
 # the GPUs present, the CUDA-marked tests, the GPU benchmark (python -m benchmarks.gpu), the
 # runtime's costs on the GPU (python -m benchmarks.autoconfig --calibrate --device cuda),
 # the compiled-stages benchmark on the GPU (python -m benchmarks.compile --device cuda, one
-# run per model), the automatic configuration against its grid where AUTOCONFIG_MODELS names
-# models, then the whole suite with CUDA visible (on several workers when pytest-xdist is
-# installed). Logs and JSON go to $OUT (default /tmp/fxpipe-gpu); a short summary is printed
-# last. SKIP_BENCH, SKIP_AUTOCONFIG, SKIP_COMPILE and SKIP_SUITE leave a part out.
+# run per model, in COMPILE_MODE if set) and its numerical agreement in three precisions
+# (python -m benchmarks.compile_agreement), one tensor-parallel rank's share of a Llama-7B
+# stage (python -m benchmarks.tensor_rank), the automatic configuration against its grid
+# where AUTOCONFIG_MODELS names models, then the whole suite with CUDA visible (on several
+# workers when pytest-xdist is installed). Logs and JSON go to $OUT (default
+# /tmp/fxpipe-gpu); a short summary is printed last. SKIP_CUDA_TESTS, SKIP_BENCH,
+# SKIP_AUTOCONFIG, SKIP_COMPILE, SKIP_AGREEMENT, SKIP_TENSOR and SKIP_SUITE leave a part out.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, torch with CUDA installed
 set -u
@@ -48,7 +51,7 @@ workers=()
 "$PY" -c "import xdist" 2>/dev/null && workers=(-n "${WORKERS:-8}")
 
 TAIL=8 step quickstart 90 "$PY" examples/quickstart.py
-step cuda_tests 150 "$PY" -m pytest -q -m cuda "${workers[@]}" tests
+[ -z "${SKIP_CUDA_TESTS:-}" ] && step cuda_tests 150 "$PY" -m pytest -q -m cuda "${workers[@]}" tests
 if [ -z "${SKIP_BENCH:-}" ]; then
     TAIL=40 step gpu_bench 170 sh -c 'cd "$1" && shift && exec "$@"' sh "$BENCH_DIR" \
         "$PY" -m benchmarks.gpu --out "$OUT/gpu.json" --budget-s 110
@@ -59,11 +62,23 @@ if [ -z "${SKIP_AUTOCONFIG:-}" ]; then  # the runtime's costs per cell and step 
         --out "$OUT/autoconfig_calibration_cuda.json"
 fi
 if [ -z "${SKIP_COMPILE:-}" ]; then  # compiled stages: the GPU column of benchmarks.compile
+    mode=()
+    [ -n "${COMPILE_MODE:-}" ] && mode=(--mode "$COMPILE_MODE")
     for model in ${COMPILE_MODELS:-cnn decoder encoder}; do  # one run each: a cut run keeps the rest
         TAIL=14 step "compile_$model" "${COMPILE_S:-100}" sh -c 'cd "$1" && shift && exec "$@"' \
             sh "$BENCH_DIR" "$PY" -m benchmarks.compile --device cuda --repeats 10 \
-            --models "$model" --out "$OUT/compile_cuda_$model.json"
+            --models "$model" "${mode[@]}" --out "$OUT/compile_cuda_$model.json"
     done
+fi
+if [ -z "${SKIP_AGREEMENT:-}" ]; then  # compiled against uncompiled, in three precisions
+    TAIL=10 step agreement "${AGREEMENT_S:-150}" sh -c 'cd "$1" && shift && exec "$@"' sh \
+        "$BENCH_DIR" "$PY" -m benchmarks.compile_agreement --device cuda \
+        --out "$OUT/compile_agreement_cuda.json"
+fi
+if [ -z "${SKIP_TENSOR:-}" ]; then  # one tensor-parallel rank's compute, a Llama-7B stage
+    TAIL=10 step tensor_rank "${TENSOR_S:-120}" sh -c 'cd "$1" && shift && exec "$@"' sh \
+        "$BENCH_DIR" "$PY" -m benchmarks.tensor_rank --device cuda --model llama-7b \
+        --out "$OUT/tensor_rank_cuda.json"
 fi
 if [ -n "${AUTOCONFIG_MODELS:-}" ]; then  # the automatic configuration against its grid
     TAIL=20 step autoconfig "${AUTOCONFIG_S:-200}" sh -c 'cd "$1" && shift && exec "$@"' sh \
