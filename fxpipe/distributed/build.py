@@ -42,6 +42,7 @@ from fxpipe.distributed.tensor_parallel import plan_tensor_parallel
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import CompileChoice, PlanOptions
+from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 
 __all__ = ["pipeline_schedule", "SCHEDULES", "check_weight_part"]
@@ -128,7 +129,11 @@ def pipeline_schedule(
     (:func:`fxpipe.passes.tensor.parallelize.parallelize_stage`): the Parameters it cuts
     become DTensors (in the model too; ``full_tensor()`` gathers one), and the ranks of one
     ``"tp"`` group hold the same stage and exchange whole activations over their ``"pp"``
-    groups. Not yet with ``compile=`` or a zero-bubble schedule. None: no tensor parallelism.
+    groups. Not yet with ``compile=`` or a zero-bubble schedule. A plan in torch's
+    ``parallelize_module`` form (``{"model.layers.*.mlp.up_proj": ColwiseParallel(), ...}``)
+    overrides the search: only the cuts it names are made, each proved as the search proves
+    its own, and one that cannot be is refused with the reason
+    (:mod:`fxpipe.passes.tensor.given`). None: no tensor parallelism.
 
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
@@ -211,7 +216,9 @@ def _build(
         check_agreement(plan, program, config, layout.dp_group, target)
     cut = None
     if layout.tp_mesh is not None:  # every rank plans alike, from the same example
-        cut = plan_tensor_parallel(plan, values, layout.tp_mesh.size())
+        given = options.tensor_parallel
+        cut = plan_tensor_parallel(plan, values, layout.tp_mesh.size(),
+                                   given if isinstance(given, GivenPlan) else None)  # fmt: skip
     sizes = StepShapes(
         program, binder, found, args, kwargs, n_microbatches=options.n_microbatches,
         group=group, device=target, comm=comm_device(group, target),

@@ -199,7 +199,7 @@ def mesh_layout(mesh: Any, group: dist.ProcessGroup | None, options: ScheduleOpt
     return Layout(mesh["pp"].get_group(), group, size, data_parallel, dp, tp)
 
 
-def _check_dims(mesh: Any, tensor_parallel: str | None) -> tuple[str, ...]:
+def _check_dims(mesh: Any, tensor_parallel: object) -> tuple[str, ...]:
     """The mesh's dimension names; ConfigError unless they are ``("pp", "dp")``, or
     ``("pp", "dp", "tp")`` with ``tensor_parallel="auto"``."""
     names = tuple(mesh.mesh_dim_names or ())

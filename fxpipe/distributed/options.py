@@ -13,7 +13,7 @@ keyword of ``pipeline_schedule``; :meth:`ScheduleOptions.keywords` turns a recor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from fxpipe.options import (
     check_cost,
     check_slack,
 )
+from fxpipe.passes.tensor.given import GivenPlan, given_plan
 
 __all__ = [
     "ScheduleOptions",
@@ -109,8 +110,10 @@ class ScheduleOptions:
     #: settings or a :class:`fxpipe.options.CompileOptions`; kept as that record, or None).
     compile: CompileChoice = False
     #: ``"auto"``: each stage cut over a mesh's ``"tp"`` dimension as
-    #: :func:`fxpipe.passes.tensor.plan.tensor_plan` finds; None: no tensor parallelism.
-    tensor_parallel: str | None = None
+    #: :func:`fxpipe.passes.tensor.plan.tensor_plan` finds; a plan in torch's
+    #: ``parallelize_module`` form (kept as a :class:`GivenPlan`): only the cuts it names;
+    #: None: no tensor parallelism.
+    tensor_parallel: str | GivenPlan | None = None
 
     def __post_init__(self) -> None:
         kind = check_schedule("schedule", self.schedule)
@@ -135,6 +138,8 @@ class ScheduleOptions:
                 "stage's backward into its input and weight parts, which a compiled stage "
                 "runs as one; use GPipe, 1F1B, Interleaved1F1B or LoopedBFS, or compile=False"
             )
+        if isinstance(self.tensor_parallel, Mapping):
+            object.__setattr__(self, "tensor_parallel", given_plan(self.tensor_parallel))
         _check_tensor_parallel(self.tensor_parallel, kind, compiled is not None)
         if compiled is not None and self.data_parallel == "fsdp":
             raise ConfigError(
@@ -230,17 +235,19 @@ def micro_batch_problem(schedule: str, n_microbatches: int, world: int, total: i
     return None
 
 
-#: ``tensor_parallel=`` values: the plan fxpipe finds, or none.
+#: ``tensor_parallel=`` values besides a plan in torch's form: the plan fxpipe finds, or none.
 TENSOR_PARALLEL = ("auto", None)
 
 
 def _check_tensor_parallel(value: object, schedule: str, compiled: bool) -> None:
     """ConfigError unless ``value`` is one of :data:`TENSOR_PARALLEL`, and for what tensor
     parallelism does not run with yet (a compiled stage, a split backward)."""
-    if value not in TENSOR_PARALLEL:
+    if not isinstance(value, GivenPlan) and value not in TENSOR_PARALLEL:
         raise ConfigError(
             f"tensor_parallel={value!r} is not one of {TENSOR_PARALLEL}; pass 'auto' (each "
-            "stage cut over the mesh's 'tp' dimension as fxpipe plans it) or None"
+            "stage cut over the mesh's 'tp' dimension as fxpipe plans it), a dict "
+            "{module path: ColwiseParallel() | RowwiseParallel()} as parallelize_module "
+            "takes, or None"
         )
     if value is None:
         return

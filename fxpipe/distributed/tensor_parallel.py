@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.ir import PipelinePlan
+from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.local import local_program
 from fxpipe.passes.tensor.parallelize import parallelize_program
 from fxpipe.passes.tensor.plan import tensor_plan
@@ -25,10 +26,13 @@ from fxpipe.passes.tensor.records import TensorPlan
 __all__ = ["plan_tensor_parallel", "stage_plan", "parallelize_stages", "cut_dims"]
 
 
-def plan_tensor_parallel(plan: PipelinePlan, values: Sequence[Any], tp: int) -> TensorPlan:
+def plan_tensor_parallel(
+    plan: PipelinePlan, values: Sequence[Any], tp: int, given: GivenPlan | None = None
+) -> TensorPlan:
     """The tensor-parallel plan of the pipeline's whole graph over ``tp`` ranks, no cut
-    value crossing a stage border (``values``: one per placeholder, one micro-batch's)."""
-    return tensor_plan(plan.graph_module, tp, values, stage_of=plan.stage_of)
+    value crossing a stage border (``values``: one per placeholder, one micro-batch's);
+    only the cuts ``given`` names, where the user gave a plan."""
+    return tensor_plan(plan.graph_module, tp, values, stage_of=plan.stage_of, given=given)
 
 
 def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.tensor.cuts import ATTENTION_OPS
+from fxpipe.passes.tensor.given import weight_paths
 from fxpipe.passes.tensor.products import Embedding, Product
 from fxpipe.passes.tensor.records import (
     GroupKind,
@@ -161,6 +162,9 @@ class Assembly:
         """LM heads cut by vocabulary, logits all-gathered: weight name -> head node."""
         out: dict[str, str] = {}
         for name, p in self.search.products.items():
+            allowed = self.search.allowed[name]
+            if allowed is not None and "gathered" not in allowed:
+                continue  # the user's plan does not gather it
             if name in self.styles or not self._is_head(p):
                 continue
             reason = f"LM head: {p.out_features} vocabulary rows cut, logits all-gathered"
@@ -224,6 +228,11 @@ class Assembly:
     def _embedding_refusal(self, e: Embedding, heads: dict[str, str]) -> str | None:
         """Why embedding ``e`` is not cut by rows (``heads``: weight -> the LM head that may
         read it cut alike), or None."""
+        given = self.search.given
+        if given is not None:
+            allowed = given.allowed(weight_paths(self.search.gm, e.weight))
+            if not allowed & {"embedding", "rowwise"}:
+                return "embedding the given plan does not name RowwiseParallel()"
         if e.rows % self.tp:
             return f"embedding of {e.rows} rows, which do not divide by tp={self.tp}"
         if not self._from_input(e.ids):

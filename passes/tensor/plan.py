@@ -13,7 +13,8 @@ group keeps it. A fused q, k, v product is tried cut in three parts when whole p
 fit. Then an LM head (the last product before the output) is cut by vocabulary with its
 logits all-gathered, an embedding indexed by the model's input ids is cut by rows (a tied
 head and embedding alike), and every other parameter (norms; sequence parallelism is not
-done) is whole on every rank.
+done) is whole on every rank. A plan the user gives (:mod:`fxpipe.passes.tensor.given`)
+limits the search to the cuts it names, and each of them must hold.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.fx as fx
 from fxpipe.errors import ConfigError
 from fxpipe.passes.tensor.assembly import Assembly
 from fxpipe.passes.tensor.cuts import Rules
+from fxpipe.passes.tensor.given import GivenPlan, check_given
 from fxpipe.passes.tensor.products import find_embeddings, find_products, param_readers
 from fxpipe.passes.tensor.records import TensorPlan
 from fxpipe.passes.tensor.search import Search
@@ -40,13 +42,28 @@ def tensor_plan(
     example_values: Sequence[Any],
     *,
     stage_of: Mapping[str, int] | None = None,
+    given: GivenPlan | None = None,
 ) -> TensorPlan:
     """How ``gm`` runs over ``tp`` ranks. ``example_values``: one value per placeholder
     (shapes are read from a run on fake tensors). ``stage_of``: node name -> stage, where
-    the graph is a pipeline's whole graph; no cut value then crosses a stage border."""
+    the graph is a pipeline's whole graph; no cut value then crosses a stage border.
+    ``given``: the user's plan (:func:`fxpipe.passes.tensor.given.given_plan`): only the
+    cuts it names are made, and ConfigError names one it names that cannot be."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r} must be a positive int: the ranks of the 'tp' dimension")
     rules = Rules(gm, tp, node_shapes(gm, example_values))
-    search = Search(gm, rules, find_products(gm), param_readers(gm), dict(stage_of or {}))
+    products, embeddings = find_products(gm), find_embeddings(gm)
+    search = Search(gm, rules, products, param_readers(gm), dict(stage_of or {}), given)
     flow = search.run()
-    return Assembly(search, flow, find_embeddings(gm)).plan()
+    plan = Assembly(search, flow, embeddings).plan()
+    if given is not None:
+        made = {
+            name: (p.weight, False, plan.node_styles.get(name, "whole"),
+                   plan.replicated.get(name, ""))
+            for name, p in products.items()
+        }  # fmt: skip
+        for name, e in embeddings.items():
+            why = plan.params[e.weight].reason if e.weight in plan.params else ""
+            made[name] = (e.weight, True, plan.node_styles.get(name, "whole"), why)
+        check_given(given, gm, made)
+    return plan

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.tensor.cuts import ATTENTION_OPS, Blocked, Rules
+from fxpipe.passes.tensor.given import GivenPlan, weight_paths
 from fxpipe.passes.tensor.layouts import follow
 from fxpipe.passes.tensor.products import Product
 from fxpipe.passes.tensor.records import Layout, Shard
@@ -70,9 +71,16 @@ class Search:
         products: dict[str, Product],
         readers: dict[str, list[str]],
         stage_of: dict[str, int],
+        given: GivenPlan | None = None,
     ) -> None:
         self.gm, self.rules, self.products, self.readers = gm, rules, products, readers
         self.stage_of = stage_of
+        #: The user's plan, and what it allows each product (None: fxpipe chooses).
+        self.given = given
+        self.allowed = {
+            name: given.allowed(weight_paths(gm, p.weight)) if given is not None else None
+            for name, p in products.items()
+        }
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.order = {name: k for k, name in enumerate(self.nodes)}
         #: Product -> why it is not cut column-wise; -> why the group it ends is dropped.
@@ -105,6 +113,9 @@ class Search:
         shared = self._shared(p)
         if shared is not None:
             return shared
+        allowed = self.allowed[p.node]
+        if allowed is not None and "colwise" not in allowed:
+            return "the given plan does not name it ColwiseParallel()"
         if p.out_features % self.rules.tp:
             return f"its {p.out_features} output features do not divide by tp={self.rules.tp}"
         return None
@@ -187,6 +198,16 @@ class Search:
             if shared is not None:
                 for c in cut:
                     flow.fail(c, f"{n.name} would contract the cut, but {shared}", at=n.name)
+                return
+            allowed = self.allowed[n.name]
+            if allowed is not None and "rowwise" not in allowed:
+                for c in cut:
+                    flow.fail(
+                        c,
+                        f"{n.name} contracts the cut, but the given plan does not name "
+                        f"{product.weight.rpartition('.')[0]} RowwiseParallel()",
+                        at=n.name,
+                    )
                 return
             if cut == [product.x] and isinstance(layout, Shard) and size is not None:
                 if layout.dim == len(size) - 1:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor.parallel import SequenceParallel
 
 import fxpipe.distributed as fd
 from fxpipe.distributed.mesh import mesh_layout
@@ -118,6 +119,8 @@ def test_tensor_parallel_without_a_mesh_is_refused() -> None:
     ("keywords", "said"),
     [
         ({"tensor_parallel": "yes"}, r"tensor_parallel='yes' is not one of \('auto', None\)"),
+        ({"tensor_parallel": {}}, r"tensor_parallel=\{\} is not a plan"),
+        ({"tensor_parallel": {"model.norm": SequenceParallel()}}, r"model.norm.\] = .* not run"),
         ({"compile": True}, r"compile= with tensor_parallel='auto' is not run yet"),
         (
             {"schedule": "zbvzerobubble", "stages_per_rank": 2},
@@ -139,9 +142,12 @@ def _hf_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _hf_pipelined(rank: int, world: int, *, name: str) -> dict[str, Any]:
-    """transformers' ``name`` (export-traced) on a (world / 2) x 1 x 2 mesh, one GPipe step;
-    the loss and every gradient (gathered whole) beside the eager model's."""
+def _hf_pipelined(
+    rank: int, world: int, *, name: str, given: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """transformers' ``name`` (export-traced) on a (world / 2) x 1 x 2 mesh, one GPipe step
+    (cut as fxpipe finds, or as ``given`` says); the loss and every gradient (gathered
+    whole) beside the eager model's."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -157,7 +163,7 @@ def _hf_pipelined(rank: int, world: int, *, name: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
     pipe = fd.pipeline_schedule(
         model, (ids,), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False, mesh=mesh,
-        schedule="gpipe", tensor_parallel="auto",
+        schedule="gpipe", tensor_parallel="auto" if given is None else given,
     )  # fmt: skip
     losses = step(pipe, (ids,), {}, target)
     pipe.sync_tied_gradients()
@@ -175,18 +181,43 @@ def _hf_pipelined(rank: int, world: int, *, name: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
 def test_transformers_models_pipelined_and_cut_equal_eager(tmp_path: Path, name: str) -> None:
-    runs = results(launch(_hf_pipelined, 4, tmp_path, name=name))
+    runs = _hf_check(tmp_path, name)
+    assert all(r["cut"] for r in runs)  # each stage holds DTensors
+    assert len({k for r in runs for k in r["grads"]}) >= 2 * 7  # every block's products
+
+
+@pytest.mark.slow
+def test_a_plan_given_in_torchs_form_cuts_what_it_names_and_equals_eager(
+    tmp_path: Path,
+) -> None:
+    """Llama with a plan of its MLPs alone: the MLPs' products are DTensors, the attention
+    and the embedding stay whole, and the step equals eager's."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    given = {
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(),
+    }
+    runs = _hf_check(tmp_path, "llama", given)
+    cut = {k for r in runs for k in r["cut"]}
+    assert cut == {
+        f"model.layers.{i}.mlp.{p}.weight" for i in range(2)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }  # fmt: skip
+
+
+def _hf_check(tmp_path: Path, name: str, given: dict[str, Any] | None = None) -> list[Any]:
+    """The runs of ``_hf_pipelined`` on 4 ranks, their losses and gradients equal eager's."""
+    runs = results(launch(_hf_pipelined, 4, tmp_path, name=name, given=given))
     last = [r["loss"] for r in runs if r["loss"][0] is not None]
     assert len(last) == 2  # each "tp" rank of the last stage
     for got, want in last:
         assert got == pytest.approx(want, rel=1e-5)
-    seen = set()
     for r in runs:
-        assert r["cut"]  # each stage holds DTensors
         for key, (grad, eager) in r["grads"].items():
             close(grad, eager, f"grad of {key}")
-            seen.add(key)
-    assert len(seen) >= 2 * 7  # every block's products at least
+    return runs
 
 
 # ---------------------------------------------------------------------------- checkpoints
