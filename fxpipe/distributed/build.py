@@ -129,7 +129,8 @@ def pipeline_schedule(
     (:func:`fxpipe.passes.tensor.parallelize.parallelize_stage`): the Parameters it cuts
     become DTensors (in the model too; ``full_tensor()`` gathers one), and the ranks of one
     ``"tp"`` group hold the same stage and exchange whole activations over their ``"pp"``
-    groups. Not yet with ``compile=`` or a zero-bubble schedule. A plan in torch's
+    groups. With ``compile=`` each rank's cut program is compiled (its DTensor products
+    traced through); not yet with a zero-bubble schedule. A plan in torch's
     ``parallelize_module`` form (``{"model.layers.*.mlp.up_proj": ColwiseParallel(), ...}``)
     overrides the search: only the cuts it names are made, each proved as the search proves
     its own, and one that cannot be is refused with the reason

@@ -140,7 +140,7 @@ class ScheduleOptions:
             )
         if isinstance(self.tensor_parallel, Mapping):
             object.__setattr__(self, "tensor_parallel", given_plan(self.tensor_parallel))
-        _check_tensor_parallel(self.tensor_parallel, kind, compiled is not None)
+        _check_tensor_parallel(self.tensor_parallel, kind)
         if compiled is not None and self.data_parallel == "fsdp":
             raise ConfigError(
                 "compile= with data_parallel='fsdp' is not supported (FSDP2 gathers and frees "
@@ -239,9 +239,9 @@ def micro_batch_problem(schedule: str, n_microbatches: int, world: int, total: i
 TENSOR_PARALLEL = ("auto", None)
 
 
-def _check_tensor_parallel(value: object, schedule: str, compiled: bool) -> None:
-    """ConfigError unless ``value`` is one of :data:`TENSOR_PARALLEL`, and for what tensor
-    parallelism does not run with yet (a compiled stage, a split backward)."""
+def _check_tensor_parallel(value: object, schedule: str) -> None:
+    """ConfigError unless ``value`` is one of :data:`TENSOR_PARALLEL` or a plan, and for what
+    tensor parallelism does not run with yet (a split backward)."""
     if not isinstance(value, GivenPlan) and value not in TENSOR_PARALLEL:
         raise ConfigError(
             f"tensor_parallel={value!r} is not one of {TENSOR_PARALLEL}; pass 'auto' (each "
@@ -251,11 +251,6 @@ def _check_tensor_parallel(value: object, schedule: str, compiled: bool) -> None
         )
     if value is None:
         return
-    if compiled:
-        raise ConfigError(
-            "compile= with tensor_parallel='auto' is not run yet (each stage's products "
-            "are DTensor modules); pass compile=False"
-        )
     if schedule in SPLIT_BACKWARD:
         raise ConfigError(
             f"schedule={schedule!r} with tensor_parallel='auto' is not run yet (a zero-bubble "

@@ -1,11 +1,11 @@
 """A plan given in torch's ``parallelize_module`` form: the found plan written in that form and
 given back is found again (Llama, Qwen2); a plan of the MLPs alone cuts them and nothing
-else, and run over two gloo ranks equals eager; a named cut the search cannot make, a path
-that names nothing and a style fxpipe does not run are refused with the reason."""
+else (run on gloo ranks in tests/distributed/test_tensor_parallel.py); a named cut the
+search cannot make, a path that names nothing and a style fxpipe does not run are refused
+with the reason."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +18,6 @@ from fxpipe.passes.tensor.given import given_plan
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import TensorPlan
 from fxpipe.passes.tensor.torch_plan import torch_plan
-from tests.passes.tensor.test_parallelize import _run
 from tests.passes.tensor.test_plan import planned
 
 pytest.importorskip("transformers")
@@ -63,15 +62,6 @@ def test_a_plan_of_the_mlps_alone_cuts_them_and_nothing_else() -> None:
     assert plan.replicated[q].endswith("the given plan does not name it ColwiseParallel()")
     assert plan.params["model.embed_tokens.weight"].shard is None
     assert "does not name RowwiseParallel()" in plan.params["model.embed_tokens.weight"].reason
-
-
-@pytest.mark.slow
-def test_a_plan_of_the_mlps_alone_run_over_two_ranks_equals_eager(tmp_path: Path) -> None:
-    res = _run("llama", tmp_path, given=MLP)[0]  # _run compares logits and gradients
-    assert set(res["placements"]) == {
-        f"model.layers.{i}.mlp.{proj}.weight" for i in range(2)
-        for proj in ("gate_proj", "up_proj", "down_proj")
-    }  # fmt: skip
 
 
 def test_a_column_cut_without_its_row_product_is_refused_naming_it() -> None:

@@ -17,7 +17,6 @@ import torch
 from helpers import logits_of
 
 from fxpipe.errors import ConfigError
-from fxpipe.passes.tensor.given import given_plan
 from fxpipe.passes.tensor.parallelize import parallelize_stage
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.trace.tracing import trace
@@ -40,12 +39,9 @@ class _Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _cut_stage(
-    rank: int, world: int, *, name: str, given: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Model ``name`` in float64 traced, planned over the ranks (only the cuts of ``given``,
-    a plan in torch's form, where one is given) and parallelized; its logits and gradients
-    (cut ones gathered whole) next to the eager model's."""
+def _cut_stage(rank: int, world: int, *, name: str) -> dict[str, Any]:
+    """Model ``name`` in float64 traced, planned over the ranks and parallelized; its logits
+    and gradients (cut ones gathered whole) next to the eager model's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -57,7 +53,7 @@ def _cut_stage(
     reference = copy.deepcopy(model)
     traced = trace(model, (ids,))
     gm, example = traced.graph_module, tuple(traced.example_values)
-    plan = tensor_plan(gm, world, example, given=None if given is None else given_plan(given))
+    plan = tensor_plan(gm, world, example)
     said = _Said()
     logging.getLogger("fxpipe").addHandler(said)
     logging.getLogger("fxpipe").setLevel(logging.INFO)
@@ -105,8 +101,8 @@ def _first_dtensor(stage: torch.nn.Module) -> Any:
     return next(p for p in stage.parameters() if isinstance(p, DTensor))
 
 
-def _run(name: str, tmp_path: Path, given: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    runs = results(launch(_cut_stage, 2, tmp_path, name=name, given=given))
+def _run(name: str, tmp_path: Path) -> list[dict[str, Any]]:
+    runs = results(launch(_cut_stage, 2, tmp_path, name=name))
     for res in runs:
         assert res["untouched"], "the traced graph's own parameters were cut"
         assert not res["misplaced"]  # each gradient placed as its Parameter
