@@ -79,6 +79,9 @@ if [ -z "${SKIP_TENSOR:-}" ]; then  # one tensor-parallel rank's compute, a Llam
     TAIL=10 step tensor_rank "${TENSOR_S:-120}" sh -c 'cd "$1" && shift && exec "$@"' sh \
         "$BENCH_DIR" "$PY" -m benchmarks.tensor_rank --device cuda --model llama-7b \
         --out "$OUT/tensor_rank_cuda.json"
+    TAIL=10 step tensor_rank_compiled "${TENSOR_S:-120}" sh -c 'cd "$1" && shift && exec "$@"' \
+        sh "$BENCH_DIR" "$PY" -m benchmarks.tensor_rank --device cuda --model llama-7b \
+        --compile --out "$OUT/tensor_rank_cuda_compiled.json"
 fi
 if [ -n "${AUTOCONFIG_MODELS:-}" ]; then  # the automatic configuration against its grid
     TAIL=20 step autoconfig "${AUTOCONFIG_S:-200}" sh -c 'cd "$1" && shift && exec "$@"' sh \

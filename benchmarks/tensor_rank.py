@@ -5,7 +5,7 @@ model gives it: the time of one training step (forward and backward) of the prog
 Run from the repository root::
 
     python -m benchmarks.tensor_rank [--device cpu|cuda] [--model tiny|mid|llama-7b]
-                                     [--tp 2,4,8] [--repeats N] [--out PATH]
+                                     [--tp 2,4,8] [--repeats N] [--compile] [--out PATH]
 
 The model is a Llama decoder from a transformers config (``llama-7b``: two of Llama-7B's
 blocks, its width, heads and vocabulary, 2048 tokens, in bfloat16; ``mid``: a quarter of its
@@ -18,7 +18,9 @@ process group, whose collectives return at once: the time is the rank's compute 
 part ``fxpipe.distributed.layout_tensor`` divides by ``tp``; the collectives it adds are
 priced from the link's bandwidth, which one device cannot measure. The predicted share is
 the cut cost table's total over the whole one's, with an infinite link (FLOP and roofline
-pricing). Steps alternate round by round (``benchmarks.harness.timing``); the rows go to
+pricing). With ``--compile`` both run through ``torch.compile`` (which removes DTensor's
+dispatch from the rank's step, as ``compile=True`` with tensor parallelism does). Steps
+alternate round by round (``benchmarks.harness.timing``); the rows go to
 ``benchmarks/results/tensor_rank.json`` (``tensor_rank_cuda.json`` on a GPU).
 """
 
@@ -107,8 +109,11 @@ def _predicted(
     return out
 
 
-def measure(name: str, tps: list[int], repeats: int, device: torch.device) -> list[dict[str, Any]]:
-    """Per ``tp``: rank 0's program and the whole graph, timed side by side."""
+def measure(
+    name: str, tps: list[int], repeats: int, device: torch.device, compiled: bool = False
+) -> list[dict[str, Any]]:
+    """Per ``tp``: rank 0's program and the whole graph, timed side by side (both through
+    ``torch.compile`` with ``compiled``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -122,14 +127,21 @@ def measure(name: str, tps: list[int], repeats: int, device: torch.device) -> li
             mine = copy.deepcopy(gm)
             plan = tensor_plan(mine, tp, example)
             program = parallelize_stage(mine, plan, init_device_mesh(device.type, (tp,)))
-            steps = {"whole": _step(gm, example, device), "rank": _step(program, example, device)}
+            runs: tuple[nn.Module, nn.Module] = (gm, program)
+            if compiled:
+                runs = (torch.compile(gm), torch.compile(program))
+            steps = {
+                "whole": _step(runs[0], example, device),
+                "rank": _step(runs[1], example, device),
+            }
             wall = time_interleaved(nn.Module(), steps, repeats, budget_s=120.0)["wall"]
         finally:
             dist.destroy_process_group()
         del program, mine
         per_round = sorted(a / b for a, b in zip(wall["rank"], wall["whole"], strict=True))
         rows.append({
-            "model": name, "tp": tp, "whole_ms": 1e3 * statistics.median(wall["whole"]),
+            "model": name, "tp": tp, "compiled": compiled,
+            "whole_ms": 1e3 * statistics.median(wall["whole"]),
             "rank_ms": 1e3 * statistics.median(wall["rank"]),
             "measured_share": statistics.median(per_round),
             "predicted_share": _predicted(gm, example, tp, device),
@@ -146,11 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="mid", choices=sorted(SHAPES))
     parser.add_argument("--tp", default="2,4,8")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="both through torch.compile")
     a = parser.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    rows = measure(a.model, [int(t) for t in a.tp.split(",")], a.repeats, device)
+    rows = measure(a.model, [int(t) for t in a.tp.split(",")], a.repeats, device, a.compile)
     columns = [
         ("model", lambda r: r["model"]),
         ("tp", lambda r: str(r["tp"])),
@@ -165,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"tp={r['tp']}: {r['plan']}")
     name = "tensor_rank" if device.type == "cpu" else f"tensor_rank_{device.type}"
+    name += "_compiled" if a.compile else ""
     meta = {
         "command": command_line(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
