@@ -38,7 +38,7 @@ from fxpipe.distributed.options import (
 from fxpipe.distributed.runner import DistributedPipeline
 from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
 from fxpipe.distributed.step_shapes import StepShapes
-from fxpipe.distributed.tensor_parallel import plan_tensor_parallel
+from fxpipe.distributed.tensor_parallel import plan_tensor_parallel, rank_costs
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import CompileChoice, PlanOptions
@@ -202,6 +202,12 @@ def _build(
     compiled = _plan(
         model, (args, kwargs), options, [target] * total, group if mesh is None else None
     )
+    given = options.tensor_parallel if isinstance(options.tensor_parallel, GivenPlan) else None
+    if layout.tp_mesh is not None:  # balanced by what one "tp" rank of each stage runs
+        cost = rank_costs(compiled, layout.tp_mesh.size(), given)
+        if cost is not None:
+            compiled = _plan(model, (args, kwargs), replace(options, cost=cost),
+                             [target] * total, None)  # fmt: skip
     plan, program, binder = compiled.plan, compiled.program, compiled.traced.binder
     values = binder.bind(mb_args, mb_kwargs)
     found = example_shapes(model, program, values)
@@ -217,9 +223,7 @@ def _build(
         check_agreement(plan, program, config, layout.dp_group, target)
     cut = None
     if layout.tp_mesh is not None:  # every rank plans alike, from the same example
-        given = options.tensor_parallel
-        cut = plan_tensor_parallel(plan, values, layout.tp_mesh.size(),
-                                   given if isinstance(given, GivenPlan) else None)  # fmt: skip
+        cut = plan_tensor_parallel(plan, values, layout.tp_mesh.size(), given)
     sizes = StepShapes(
         program, binder, found, args, kwargs, n_microbatches=options.n_microbatches,
         group=group, device=target, comm=comm_device(group, target),

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.ir import CostTable, NodeCost
+from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import TensorPlan
 
@@ -46,11 +47,12 @@ def tensor_costs(
     *,
     bandwidth: float,
     seconds: float,
+    given: GivenPlan | None = None,
 ) -> tuple[CostTable, TensorPlan]:
-    """``costs`` as one of ``tp`` ranks runs ``gm`` under its tensor-parallel plan, and the
-    plan. ``seconds``: seconds per unit of cost (a collective's seconds are added in the
-    table's unit)."""
-    plan = tensor_plan(gm, tp, example_values)
+    """``costs`` as one of ``tp`` ranks runs ``gm`` under its tensor-parallel plan (the one
+    fxpipe finds, or the cuts ``given`` names), and the plan. ``seconds``: seconds per unit
+    of cost (a collective's seconds are added in the table's unit)."""
+    plan = tensor_plan(gm, tp, example_values, given=given)
     if tp == 1:
         return costs, plan
     ring = 2 * (tp - 1) / tp

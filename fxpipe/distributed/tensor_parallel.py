@@ -16,6 +16,8 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.api import Compiled
+from fxpipe.distributed.agreement import MeasuredCost
 from fxpipe.ir import PipelinePlan
 from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.local import local_program
@@ -23,7 +25,30 @@ from fxpipe.passes.tensor.parallelize import parallelize_program
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import TensorPlan
 
-__all__ = ["plan_tensor_parallel", "stage_plan", "parallelize_stages", "cut_dims"]
+__all__ = ["plan_tensor_parallel", "rank_costs", "stage_plan", "parallelize_stages", "cut_dims"]
+
+#: Seconds per unit of cost, for the cost units whose nodes' costs are times or work.
+_SECONDS_PER = {"s": 1.0, "flop": None}
+
+
+def rank_costs(compiled: Compiled, tp: int, given: GivenPlan | None = None) -> MeasuredCost | None:
+    """Each node's cost on one of ``tp`` ranks, in seconds, as ``fd.suggest_layout`` prices
+    it (:func:`fxpipe.distributed.layout_tensor.tensor_costs`: a node the plan cuts costs
+    ``1 / tp``, one it leaves whole all of it, and each collective its bytes over
+    NVLink): the cost the stages are balanced by when tensor parallelism cuts them. None
+    for costs in other units (parameter bytes, a cost function), which stay as they are."""
+    from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS
+    from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
+
+    costs = compiled.plan.costs
+    if costs.unit not in _SECONDS_PER:
+        return None
+    seconds = _SECONDS_PER[costs.unit] or 1.0 / DEFAULT_DEVICE_FLOPS
+    table, _ = tensor_costs(
+        compiled.plan.graph_module, compiled.traced.example_values, costs, tp,
+        bandwidth=DEFAULT_TP_BANDWIDTH, seconds=seconds, given=given,
+    )  # fmt: skip
+    return MeasuredCost({name: c.cost * seconds for name, c in table.nodes.items()})
 
 
 def plan_tensor_parallel(

@@ -211,6 +211,9 @@ def train(
         # FSDP warns when a wrapped stage returns a view (its backward hook could be lost)
         "view_warnings": [str(w.message) for w in caught if "view" in str(w.message)],
         "compiled": [(c.compiled, c.graphs) for c in pipe.compilation],
+        # what the stages were balanced by: under tensor parallelism, one "tp" rank's costs
+        "node_costs": {n: c.cost for n, c in pipe.plan.costs.nodes.items()},
+        "cut_styles": {} if pipe.tensor_plan is None else dict(pipe.tensor_plan.node_styles),
         "ran": (pipe.options.schedule, pipe.options.n_microbatches, pipe.options.stages_per_rank),
         "chosen_from": None if pipe.schedule_choice is None else len(pipe.schedule_choice.weighed),
     }

@@ -1,6 +1,7 @@
 """fxpipe.distributed.layout_tensor and suggest_layout's ``tensor_parallel``: a rank's costs
-under the model's own tensor-parallel plan, written out again from the plan here, and the
-(pp, dp, tp) layouts ranked with them."""
+under the model's own tensor-parallel plan, written out again from the plan here, the
+(pp, dp, tp) layouts ranked with them, and the same costs in seconds, by which
+``pipeline_schedule`` balances the stages it cuts."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from models import TinyGPT
 from torch import nn
 
 import fxpipe.distributed as fd
+from fxpipe.api import Compiled, compile_model
 from fxpipe.distributed import layout_estimate
-from fxpipe.distributed.layout import format_layouts
-from fxpipe.distributed.layout_tensor import tensor_costs
+from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS, format_layouts
+from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
+from fxpipe.distributed.tensor_parallel import rank_costs
 from fxpipe.errors import ConfigError
+from fxpipe.options import PlanOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,3 +131,27 @@ def test_tensor_parallel_sizes_must_divide_the_world() -> None:
         fd.suggest_layout(_toy(), (_ids(),), 8, tensor_parallel=3)
     with pytest.raises(ConfigError, match="tensor_parallel"):
         fd.suggest_layout(_toy(), (_ids(),), 8, tensor_parallel=0)
+
+
+def _compiled(cost: str) -> Compiled:
+    return compile_model(_toy(), (_ids(),), [torch.device("cpu")] * 2, PlanOptions(cost=cost))
+
+
+def test_the_stages_are_balanced_by_one_tp_ranks_costs_in_seconds() -> None:
+    """``rank_costs``, what ``pipeline_schedule`` partitions by under tensor parallelism:
+    the layout model's per-rank table in seconds, the same from FLOP and from seconds."""
+    for cost, seconds in (("auto", 1.0), ("flops", 1 / DEFAULT_DEVICE_FLOPS)):
+        compiled = _compiled(cost)
+        costs = compiled.plan.costs
+        per_rank = rank_costs(compiled, 2)
+        assert per_rank is not None
+        want, plan = tensor_costs(
+            compiled.plan.graph_module, compiled.traced.example_values, costs, 2,
+            bandwidth=DEFAULT_TP_BANDWIDTH, seconds=seconds,
+        )  # fmt: skip
+        for node in compiled.plan.graph_module.graph.nodes:
+            got = per_rank(node)
+            assert got == pytest.approx(want.nodes[node.name].cost * seconds, rel=1e-12)
+            if plan.node_styles.get(node.name) == "colwise":  # half the work, no collective
+                assert got == pytest.approx(costs.nodes[node.name].cost * seconds / 2)
+    assert rank_costs(_compiled("params"), 2) is None  # bytes are not a time: left as is

@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import SequenceParallel
 
+import fxpipe
 import fxpipe.distributed as fd
+from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS
 from fxpipe.distributed.mesh import mesh_layout
 from fxpipe.distributed.options import ScheduleOptions
 from fxpipe.distributed.ownership import is_dtensor
@@ -59,6 +61,15 @@ def test_one_stage_cut_over_two_ranks_equals_eager(tmp_path: Path) -> None:
 def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
     runs = results(launch(train, 4, tmp_path, name="transformer", schedule="1f1b", tp=2))
     _check(runs, 2)
+    # the stages were balanced by one "tp" rank's costs in seconds (FLOP at the layout
+    # model's rate, pipeline_schedule's default cost): a column-wise product half its own
+    build, args, _, _, _ = problem("transformer", BATCH)
+    whole = fxpipe.plan(build(), args, ["cpu"] * 2, cost="flops").costs.nodes
+    columns = [n for n, s in runs[0]["cut_styles"].items() if s == "colwise"]
+    assert columns
+    for n in columns:
+        seconds = whole[n].cost / DEFAULT_DEVICE_FLOPS
+        assert runs[0]["node_costs"][n] == pytest.approx(seconds / 2, rel=1e-9)
     by_stage = {r["stages"]: r for r in runs}
     assert set(by_stage) == {(0,), (1,)}
     for r in runs:  # the tied weight lives on both stages' ranks, its gradients summed
