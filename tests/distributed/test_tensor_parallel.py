@@ -7,6 +7,7 @@ what is refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,9 @@ from tests.distributed.test_checkpoint import _train_steps as train_steps
 preload(__name__)
 
 
-def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer") -> None:
-    for t in range(tp):  # each "tp" coordinate runs one copy of the pipeline
-        check_against_eager(name, [r for r in runs if r["tp_rank"] == t])
+def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer", dp: int = 1) -> None:
+    for t in range(tp):  # each "tp" coordinate runs one copy of each pipeline replica
+        check_against_eager(name, [r for r in runs if r["tp_rank"] == t], replicas=dp)
 
 
 def test_one_stage_cut_over_two_ranks_equals_eager(tmp_path: Path) -> None:
@@ -65,6 +66,44 @@ def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
         assert "tok.weight" in r["sharded"]
 
 
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+def test_two_replicas_of_a_stage_cut_over_two_ranks_equal_eager(
+    tmp_path: Path, data_parallel: str
+) -> None:
+    """1 x 2 x 2: FSDP shards (or DDP's replicas, torch's replicate) over "dp" of Parameters
+    cut over "tp"; each replica fed half the global batch."""
+    runs = launch(train, 4, tmp_path, name="transformer", schedule="gpipe", tp=2, dp=2,
+                  data_parallel=data_parallel)  # fmt: skip
+    per_rank = results(runs)
+    _check(per_rank, 2, dp=2)
+    for r in per_rank:  # every Parameter a DTensor: on ("dp", "tp"), or on "dp" alone
+        assert r["sharded"] == sorted(r["grads"]), r["sharded"]
+
+
+@pytest.mark.parametrize(
+    ("data_parallel", "world", "schedule", "spr"),
+    [
+        ("fsdp", 8, "1f1b", 1),  # 2 x 2 x 2: the tied weight's shards summed over "pp"
+        pytest.param("ddp", 8, "1f1b", 1, marks=pytest.mark.slow),
+        # 1 x 2 x 2, both stages on one rank: the tied weight left whole by both wrappers
+        pytest.param("fsdp", 4, "loopedbfs", 2, marks=pytest.mark.slow),
+        pytest.param("ddp", 4, "loopedbfs", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_replicas_of_pipelines_cut_over_two_ranks_equal_eager(
+    tmp_path: Path, data_parallel: str, world: int, schedule: str, spr: int
+) -> None:
+    """Two replicas of a pipeline whose stages are each cut over two ranks: losses and every
+    gradient equal eager's on the global batch."""
+    runs = launch(train, world, tmp_path, name="transformer", schedule=schedule, spr=spr,
+                  tp=2, dp=2, data_parallel=data_parallel)  # fmt: skip
+    per_rank = results(runs)
+    _check(per_rank, 2, dp=2)
+    for r in per_rank:
+        assert r["replicated"] == ("tok.weight",)
+        assert "tok.weight" in r["sharded"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "world", "schedule", "spr"),
@@ -83,29 +122,42 @@ def test_more_layouts_equal_eager(
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    """The messages of the meshes tensor parallelism refuses, before any communication."""
+    """The messages of the meshes tensor parallelism refuses, before any communication: no
+    "tp" dimension, a "tp" dimension without tensor_parallel, and DDP's replicas over "dp"
+    on a torch without ``replicate`` (its module hidden here); FSDP's are taken there."""
+    import sys
+
     from torch.distributed.device_mesh import init_device_mesh
 
     auto = ScheduleOptions(n_microbatches=1, tensor_parallel="auto")
     plain = ScheduleOptions(n_microbatches=1)
+    replicas = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
     cases = [
         (init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp")), auto),
-        (init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp")), auto),
+        (replicas, auto),
         (init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp")), plain),
     ]
     said = []
-    for mesh, options in cases:
-        with pytest.raises(ConfigError) as caught:
-            mesh_layout(mesh, None, options)
-        said.append(str(caught.value))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "torch.distributed._composable.replicate_with_fsdp", None)
+        for mesh, options in cases:
+            with pytest.raises(ConfigError) as caught:
+                mesh_layout(mesh, None, options)
+            said.append(str(caught.value))
+        fsdp = replace(auto, data_parallel="fsdp")
+        said.append(str(mesh_layout(replicas, None, fsdp).replaces_parameters))
     return said
 
 
 def test_meshes_tensor_parallelism_cannot_run_on_are_refused(tmp_path: Path) -> None:
     for said in results(launch(_refusals, 2, tmp_path)):
         assert "tensor parallelism needs a 3-D mesh named ('pp', 'dp', 'tp')" in said[0]
-        assert "runs with one pipeline replica so far: make the mesh with dp=1" in said[1]
+        assert (
+            "data_parallel='ddp' over a mesh of dp=2 and tp=1 needs torch's replicate" in (said[1])
+        )
+        assert "pass data_parallel='fsdp', or upgrade torch" in said[1]
         assert "(a 'tp' dimension needs tensor_parallel='auto')" in said[2]
+        assert said[3] == "True"  # FSDP's replicas run
 
 
 def test_tensor_parallel_without_a_mesh_is_refused() -> None:
@@ -139,9 +191,13 @@ def _hf_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _hf_pipelined(rank: int, world: int, *, name: str) -> dict[str, Any]:
-    """transformers' ``name`` (export-traced) on a (world / 2) x 1 x 2 mesh, one GPipe step;
-    the loss and every gradient (gathered whole) beside the eager model's."""
+def _hf_pipelined(
+    rank: int, world: int, *, name: str, dp: int = 1, data_parallel: str = "ddp"
+) -> dict[str, Any]:
+    """transformers' ``name`` (export-traced) on a (world / (2 dp)) x dp x 2 mesh, each
+    replica fed its slice of the batch, one GPipe step; the loss and every gradient
+    (gathered whole) beside the eager model's on the whole batch (over ``dp``: the replicas
+    average their sums)."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -154,30 +210,47 @@ def _hf_pipelined(rank: int, world: int, *, name: str) -> dict[str, Any]:
         ids = torch.randint(0, VOCAB, (4, 8))
         target = torch.randint(0, VOCAB, (4, 8))
     reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    shape = (world // (2 * dp), dp, 2)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+    replica = mesh.get_local_rank("dp")
+    mine, wanted = ids.chunk(dp)[replica], target.chunk(dp)[replica]
     pipe = fd.pipeline_schedule(
-        model, (ids,), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False, mesh=mesh,
-        schedule="gpipe", tensor_parallel="auto",
+        model, (mine,), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False, mesh=mesh,
+        schedule="gpipe", tensor_parallel="auto", data_parallel=data_parallel,
     )  # fmt: skip
-    losses = step(pipe, (ids,), {}, target)
+    losses = step(pipe, (mine,), {}, wanted)
     pipe.sync_tied_gradients()
     grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
-    loss = _hf_loss(reference(ids), target)
-    loss.backward()
+    with torch.no_grad():
+        loss = _hf_loss(reference(mine), wanted)  # this replica's
+    _hf_loss(reference(ids), target).backward()
     expected = dict(reference.named_parameters(remove_duplicate=False))
     return {
         "loss": (float(sum(losses)) if losses else None, loss.item()),
-        "grads": {k: (g, expected[k].grad) for k, g in grads.items()},
+        "grads": {k: (g, expected[k].grad / dp) for k, g in grads.items()},
         "cut": sorted(k for k, p in pipe.named_parameters() if is_dtensor(p)),
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
-def test_transformers_models_pipelined_and_cut_equal_eager(tmp_path: Path, name: str) -> None:
-    runs = results(launch(_hf_pipelined, 4, tmp_path, name=name))
+@pytest.mark.parametrize(
+    ("name", "dp", "data_parallel"),
+    [
+        ("gpt2", 1, "ddp"),
+        ("llama", 1, "ddp"),
+        ("qwen2", 1, "ddp"),
+        ("gpt2", 2, "fsdp"),  # 1 x 2 x 2: a Conv1D fused q, k, v under FSDP
+        ("gpt2", 2, "ddp"),
+    ],
+)
+def test_transformers_models_pipelined_and_cut_equal_eager(
+    tmp_path: Path, name: str, dp: int, data_parallel: str
+) -> None:
+    runs = results(
+        launch(_hf_pipelined, 4, tmp_path, name=name, dp=dp, data_parallel=data_parallel)
+    )
     last = [r["loss"] for r in runs if r["loss"][0] is not None]
-    assert len(last) == 2  # each "tp" rank of the last stage
+    assert len(last) == 2 * dp  # each "tp" rank of the last stage, in each replica
     for got, want in last:
         assert got == pytest.approx(want, rel=1e-5)
     seen = set()
@@ -192,28 +265,36 @@ def test_transformers_models_pipelined_and_cut_equal_eager(tmp_path: Path, name:
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def _save_cut_load_whole(rank: int, world: int, *, folder: str) -> dict[str, Any]:
-    """One step at 2 x 1 x 2 (the stages cut over "tp": DTensors, the fused q, k, v placed
-    strided), saved with torch.distributed.checkpoint; then loaded at 4 x 1 without tensor
+def _save_cut_load_whole(
+    rank: int, world: int, *, folder: str, dp: int, data_parallel: str
+) -> dict[str, Any]:
+    """One step at (2 / dp) x dp x 2 (the stages cut over "tp": DTensors, the fused q, k, v
+    placed strided; with dp = 2 under ``data_parallel`` too, each replica fed half the
+    batch), saved with torch.distributed.checkpoint; then loaded at 4 x 1 without tensor
     parallelism and at 1 x 1 x 4 (one stage cut over 4 ranks), each taking two more steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _, args, _, _, target = problem("transformer", BATCH)
     out: dict[str, Any] = {}
     layouts = {
-        "save": ((2, 1, 2), ("pp", "dp", "tp")),
+        "save": ((2 // dp, dp, 2), ("pp", "dp", "tp")),
         "whole": ((4, 1), ("pp", "dp")),
         "cut": ((1, 1, 4), ("pp", "dp", "tp")),
     }
     for layout, (shape, names) in layouts.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mine, wanted = args, target
+        if layout == "save":  # this replica's half
+            replica = mesh.get_local_rank("dp")
+            mine, wanted = (args[0].chunk(dp)[replica],), target.chunk(dp)[replica]
         pipe = fd.pipeline_schedule(
-            tiny_gpt(), args, n_microbatches=N_MB, loss_fn=lm_mean, scale_grads=True,
+            tiny_gpt(), mine, n_microbatches=N_MB, loss_fn=lm_mean, scale_grads=True,
             mesh=mesh, schedule="1f1b", tensor_parallel="auto" if "tp" in names else None,
+            data_parallel=data_parallel if layout == "save" else "ddp",
         )  # fmt: skip
         optimizer = sgd(pipe.parameters())
         if layout == "save":
-            out["losses"] = train_steps(pipe, optimizer, args, target, 1)
+            out["losses"] = train_steps(pipe, optimizer, mine, wanted, 1)
             pipe.save_checkpoint(folder, optimizer)
             continue
         pipe.load_checkpoint(folder, optimizer)
@@ -224,15 +305,23 @@ def _save_cut_load_whole(rank: int, world: int, *, folder: str) -> dict[str, Any
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_cut_over_tp_resumes_uncut_and_in_eager(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("dp", "data_parallel"), [(1, "ddp"), (2, "fsdp")])
+def test_a_checkpoint_saved_cut_over_tp_resumes_uncut_and_in_eager(
+    tmp_path: Path, dp: int, data_parallel: str
+) -> None:
+    """Saved from 2 x 1 x 2, or from 1 x 2 x 2 under FSDP (the shards of a weight cut in
+    parts, and of its momentum, gathered as fxpipe places them)."""
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "checkpoint"
-    per_rank = results(launch(_save_cut_load_whole, 4, tmp_path, folder=str(folder)))
+    runs = launch(_save_cut_load_whole, 4, tmp_path, folder=str(folder), dp=dp,
+                  data_parallel=data_parallel)  # fmt: skip
+    per_rank = results(runs)
     _, args, _, _, target = problem("transformer", BATCH)
     losses, after_first = eager_steps(args, target)
     first = [r["losses"][0] for r in per_rank if r["losses"][0] == r["losses"][0]]
-    assert first == pytest.approx([losses[0]] * 2, rel=1e-5)  # each "tp" coordinate's
+    assert len(first) == 2 * dp  # each "tp" coordinate's, in each replica
+    assert sum(first) / len(first) == pytest.approx(losses[0], rel=1e-5)  # halves' means
     for layout, last in (("whole", 1), ("cut", 4)):  # ranks whose (last) stage has the loss
         loaded = fd.merge_state_dicts(r[layout] for r in per_rank)
         assert loaded.keys() == after_first.keys()
