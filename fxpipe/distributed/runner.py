@@ -332,12 +332,13 @@ class DistributedPipeline:
         whose stages read it (the plan never sends it with the micro-batches); each copy
         gets the gradient of its own uses, and this sums them, once per step, so that every
         copy has the whole gradient and every rank's optimizer makes the same update.
-        Under FSDP, a Parameter two stages of one rank read is left whole (unsharded) on
-        each replica; this also averages its gradient over ``"dp"``, as FSDP averages the
-        others. Without such a parameter this does nothing (and communicates nothing). A
-        step after an update of such a copy with no sum in between is refused
-        (ConfigError) on every rank holding one, before anything is sent; several steps per
-        sum (gradient accumulation) are fine.
+        Under FSDP (or torch's ``replicate``, DDP's replicas under tensor parallelism), a
+        Parameter two stages of one rank read is left whole (unsharded) on each replica;
+        this also averages its gradient over ``"dp"``, as FSDP averages the others.
+        Without such a parameter this does nothing (and communicates nothing). A step after
+        an update of such a copy with no sum in between is refused (ConfigError) on every
+        rank holding one, before anything is sent; several steps per sum (gradient
+        accumulation) are fine.
         """
         if not self._own.replicated:
             return

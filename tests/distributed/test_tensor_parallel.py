@@ -1,9 +1,10 @@
 """Pipeline x tensor parallel on gloo ranks: the hand-written decoder LM (a tied embedding and
 head, a fused q, k, v) on a ("pp", "dp", "tp") mesh with ``tensor_parallel="auto"``, one stage
 cut over two ranks (1 x 1 x 2) and two stages each cut over two ranks (2 x 1 x 2), then two
-stages per rank and the zoo's Llama: the loss, every gradient (gathered whole) and the
-merged state dict after one SGD step equal eager PyTorch's, on every "tp" coordinate; and
-what is refused."""
+stages per rank and the zoo's Llama; two replicas of each under FSDP and DDP (1 x 2 x 2,
+2 x 2 x 2): the loss, every gradient (gathered whole) and the merged state dict after one
+SGD step equal eager PyTorch's on the global batch, on every "tp" coordinate; and what is
+refused."""
 
 from __future__ import annotations
 
