@@ -32,6 +32,7 @@ from tests.distributed.ranks import (
     step,
     tiny_gpt,
     train,
+    train_cases,
     whole,
 )
 from tests.distributed.test_checkpoint import _eager_steps as eager_steps
@@ -68,41 +69,38 @@ def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
-def test_two_replicas_of_a_stage_cut_over_two_ranks_equal_eager(
+def test_two_replicas_of_stages_cut_over_two_ranks_equal_eager(
     tmp_path: Path, data_parallel: str
 ) -> None:
     """1 x 2 x 2: FSDP shards (or DDP's replicas, torch's replicate) over "dp" of Parameters
-    cut over "tp"; each replica fed half the global batch."""
-    runs = launch(train, 4, tmp_path, name="transformer", schedule="gpipe", tp=2, dp=2,
+    cut over "tp", each replica fed half the global batch; one stage, then two on the one
+    pipeline rank (the tied embedding and head on both: left whole by either wrapper, its
+    gradient averaged over "dp" by sync_tied_gradients). One launch for both."""
+    cases = [("transformer", "gpipe", 1), ("transformer", "loopedbfs", 2)]
+    runs = launch(train_cases, 4, tmp_path, cases=cases, tp=2, dp=2,
+                  data_parallel=data_parallel)  # fmt: skip
+    one, two = zip(*results(runs), strict=True)
+    for per_rank, whole_keys in ((one, ()), (two, ("tok.weight",))):
+        _check(list(per_rank), 2, dp=2)
+        for r in per_rank:  # every Parameter a DTensor: on ("dp", "tp"), "dp" or "tp"
+            assert r["sharded"] == sorted(r["grads"]), r["sharded"]
+            assert r["replicated"] == whole_keys
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_replicas_of_two_stages_cut_over_two_ranks_equal_eager(
+    tmp_path: Path, data_parallel: str
+) -> None:
+    """2 x 2 x 2: two replicas of a pipeline of two stages, each cut over two ranks; the
+    tied weight's pieces (FSDP's shards of them) summed over "pp"."""
+    runs = launch(train, 8, tmp_path, name="transformer", schedule="1f1b", tp=2, dp=2,
                   data_parallel=data_parallel)  # fmt: skip
     per_rank = results(runs)
     _check(per_rank, 2, dp=2)
-    for r in per_rank:  # every Parameter a DTensor: on ("dp", "tp"), or on "dp" alone
-        assert r["sharded"] == sorted(r["grads"]), r["sharded"]
-
-
-@pytest.mark.parametrize(
-    ("data_parallel", "world", "schedule", "spr"),
-    [
-        ("fsdp", 8, "1f1b", 1),  # 2 x 2 x 2: the tied weight's shards summed over "pp"
-        pytest.param("ddp", 8, "1f1b", 1, marks=pytest.mark.slow),
-        # 1 x 2 x 2, both stages on one rank: the tied weight left whole by both wrappers
-        pytest.param("fsdp", 4, "loopedbfs", 2, marks=pytest.mark.slow),
-        pytest.param("ddp", 4, "loopedbfs", 2, marks=pytest.mark.slow),
-    ],
-)
-def test_replicas_of_pipelines_cut_over_two_ranks_equal_eager(
-    tmp_path: Path, data_parallel: str, world: int, schedule: str, spr: int
-) -> None:
-    """Two replicas of a pipeline whose stages are each cut over two ranks: losses and every
-    gradient equal eager's on the global batch."""
-    runs = launch(train, world, tmp_path, name="transformer", schedule=schedule, spr=spr,
-                  tp=2, dp=2, data_parallel=data_parallel)  # fmt: skip
-    per_rank = results(runs)
-    _check(per_rank, 2, dp=2)
+    assert sorted(r["stages"] for r in per_rank) == [(0,)] * 4 + [(1,)] * 4
     for r in per_rank:
         assert r["replicated"] == ("tok.weight",)
-        assert "tok.weight" in r["sharded"]
+        assert r["sharded"] == sorted(r["grads"]), r["sharded"]
 
 
 @pytest.mark.slow
@@ -241,7 +239,6 @@ def _hf_pipelined(
         ("llama", 1, "ddp"),
         ("qwen2", 1, "ddp"),
         ("gpt2", 2, "fsdp"),  # 1 x 2 x 2: a Conv1D fused q, k, v under FSDP
-        ("gpt2", 2, "ddp"),
     ],
 )
 def test_transformers_models_pipelined_and_cut_equal_eager(
