@@ -77,10 +77,10 @@ def local_part(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     split = _sharded_parts(like)
     if split is None:
         mesh, placements = like.device_mesh, like.placements  # type: ignore[attr-defined]
-        return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+        return distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None).to_local()
     dp, tp, dim = split
     cut = like.placements[1]  # type: ignore[attr-defined]
-    piece = distribute_tensor(whole, tp, [cut], src_data_rank=None).to_local()
+    piece = distribute_tensor(whole.detach(), tp, [cut], src_data_rank=None).to_local()
     return distribute_tensor(piece, dp, [Shard(dim)], src_data_rank=None).to_local()
 
 
