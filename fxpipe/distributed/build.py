@@ -121,20 +121,23 @@ def pipeline_schedule(
     1F1B, Interleaved1F1B and LoopedBFS, and DDP over a mesh's ``"dp"`` (refused with a
     zero-bubble schedule, whose split backward a compiled stage cannot give, and with FSDP).
 
-    ``tensor_parallel="auto"``: with a 3-D ``mesh`` named ``("pp", "dp", "tp")`` (``dp``
-    1 so far), the whole graph is planned over the ``"tp"`` dimension
+    ``tensor_parallel="auto"``: with a 3-D ``mesh`` named ``("pp", "dp", "tp")``, the
+    whole graph is planned over the ``"tp"`` dimension
     (:func:`fxpipe.passes.tensor.plan.tensor_plan`, no cut value crossing a stage border;
     ``pipe.tensor_plan.summary()`` says what is cut how) and each stage's local program is
     cut over ``mesh["tp"]`` by torch's tensor parallelism
     (:func:`fxpipe.passes.tensor.parallelize.parallelize_stage`): the Parameters it cuts
     become DTensors (in the model too; ``full_tensor()`` gathers one), and the ranks of one
     ``"tp"`` group hold the same stage and exchange whole activations over their ``"pp"``
-    groups. With ``compile=`` each rank's cut program is compiled (its DTensor products
-    traced through); not yet with a zero-bubble schedule. A plan in torch's
-    ``parallelize_module`` form (``{"model.layers.*.mlp.up_proj": ColwiseParallel(), ...}``)
-    overrides the search: only the cuts it names are made, each proved as the search proves
-    its own, and one that cannot be is refused with the reason
-    (:mod:`fxpipe.passes.tensor.given`). None: no tensor parallelism.
+    groups. With ``dp`` > 1, ``"fsdp"`` shards the cut Parameters over ``"dp"`` too
+    (DTensors on the 2-D ``("dp", "tp")`` mesh), and ``"ddp"`` replicates them with torch's
+    ``replicate`` (``DistributedDataParallel`` takes no DTensor Parameters). With
+    ``compile=`` each rank's cut program is compiled (its DTensor products traced
+    through); not yet with a zero-bubble schedule. A plan in torch's ``parallelize_module``
+    form (``{"model.layers.*.mlp.up_proj": ColwiseParallel(), ...}``) overrides the search:
+    only the cuts it names are made, each proved as the search proves its own, and one that
+    cannot be is refused with the reason (:mod:`fxpipe.passes.tensor.given`). None: no
+    tensor parallelism.
 
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).

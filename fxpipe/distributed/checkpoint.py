@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fxpipe.distributed.ownership import full_tensor, is_dtensor, local_tensor
+from fxpipe.distributed.dtensors import full_tensor, local_part, local_tensor, strided
 from fxpipe.errors import CheckpointError
 
 __all__ = ["optimizer_state", "set_optimizer_state", "save_state", "load_state"]
@@ -63,46 +63,31 @@ def load_state(state: dict[str, Any], path: str | PathLike[str], stages: tuple[i
     from torch.distributed.checkpoint.state_dict_loader import load
 
     _check_checkpoint(path, state, stages)
-    strided: list[tuple[torch.Tensor, torch.Tensor]] = []
-    load(tree_map(lambda t: _whole_stand_in(t, strided), state), checkpoint_id=str(path))
-    for tensor, whole in strided:  # this rank's parts of each, from the whole read
+    parted: list[tuple[torch.Tensor, torch.Tensor]] = []
+    load(tree_map(lambda t: _whole_stand_in(t, parted), state), checkpoint_id=str(path))
+    for tensor, whole in parted:  # this rank's parts of each, from the whole read
         _copy_strided(tensor, whole)
 
 
-def _strided(t: object) -> bool:
-    """Whether ``t`` is a DTensor placed in parts on some mesh dimension (``_StridedShard``:
-    a fused q, k, v cut over tensor-parallel ranks)."""
-    if not is_dtensor(t):
-        return False
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return any(isinstance(p, _StridedShard) for p in t.placements)  # type: ignore[attr-defined]
-
-
 def _whole_if_strided(t: Any) -> Any:
-    return full_tensor(t) if _strided(t) else t
+    return full_tensor(t) if strided(t) else t
 
 
-def _whole_stand_in(t: Any, strided: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+def _whole_stand_in(t: Any, parted: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """An empty whole tensor for the checkpoint to fill in place of a strided DTensor (noted
-    in ``strided``), else ``t``."""
-    if not _strided(t):
+    in ``parted``), else ``t``."""
+    if not strided(t):
         return t
     whole = torch.empty(t.shape, dtype=t.dtype, device=local_tensor(t).device)
-    strided.append((t, whole))
+    parted.append((t, whole))
     return whole
 
 
 def _copy_strided(tensor: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy this rank's parts of ``whole`` into the strided DTensor ``tensor``: along the
-    placement's dimension, part k of its ``split_factor`` parts cut over the mesh's ranks."""
-    from fxpipe.passes.tensor.records import Shard
-
-    (placement,) = tensor.placements  # type: ignore[attr-defined]
-    mesh = tensor.device_mesh  # type: ignore[attr-defined]
-    cut = Shard(placement.dim, placement.split_factor)
+    """Copy this rank's parts of ``whole`` into the strided DTensor ``tensor``, as its
+    placements cut it (``dtensors.local_part``)."""
     with torch.no_grad():
-        local_tensor(tensor).copy_(cut.take(whole, mesh.size(), mesh.get_local_rank()))
+        local_tensor(tensor).copy_(local_part(whole, tensor))
 
 
 def _check_checkpoint(

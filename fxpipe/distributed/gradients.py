@@ -1,6 +1,8 @@
 """The gradients of the Parameters a rank shares (a tied weight's copies on several ranks, a
-Parameter FSDP leaves whole on each replica), summed over the pipeline's ranks (and the whole
-ones averaged over ``"dp"``) once per step: what ``sync_tied_gradients`` runs."""
+Parameter FSDP, or torch's ``replicate`` under tensor parallelism, leaves whole on each
+replica), summed over the pipeline's ranks (and the whole ones averaged over ``"dp"``) once
+per step: what ``sync_tied_gradients`` runs. Under FSDP x TP a shard is FSDP's ``1 / dp``
+chunk of this ``"tp"`` rank's piece."""
 
 from __future__ import annotations
 

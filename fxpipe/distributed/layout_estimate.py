@@ -261,8 +261,7 @@ class LayoutEstimate:
 
         ``pipeline_schedule`` checks that the ranks make ``num_stages``; every layout
         ``suggest_layout`` ranks has micro-batches its schedule runs. With ``tp > 1``:
-        ``tensor_parallel="auto"`` on a ``("pp", "dp", "tp")`` mesh (``pipeline_schedule``
-        runs ``dp == 1`` so far and refuses the others with a ConfigError)."""
+        ``tensor_parallel="auto"`` on a ``("pp", "dp", "tp")`` mesh."""
         return ScheduleOptions(
             n_microbatches=self.chunks,
             schedule=self.schedule,

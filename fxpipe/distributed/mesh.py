@@ -1,5 +1,6 @@
-"""Pipeline x data parallel: the ``"pp"`` and ``"dp"`` groups of a 2-D ``DeviceMesh``, checked
-before any communication, and each stage module wrapped for data parallelism over ``"dp"``.
+"""Pipeline x data parallel: the ``"pp"`` and ``"dp"`` groups of a 2-D ``DeviceMesh`` (and the
+``"tp"`` mesh of a 3-D one), checked before any communication, and each stage module wrapped
+for data parallelism over ``"dp"``.
 
 Every pipeline replica (one ``"dp"`` coordinate) makes the same plan over its ``"pp"`` group;
 a stage's replicas average their gradients with torch's own ``DistributedDataParallel``
@@ -9,6 +10,13 @@ the stage's micro-batches and released after the last backward). torch's ``Pipel
 drives either: gradients are reduced once per step, after the last micro-batch's backward.
 A Parameter two stages of one rank read is left whole by FSDP (it wraps each stage alone)
 and averaged over ``"dp"`` by ``sync_tied_gradients``. Nothing here communicates by itself.
+
+Under tensor parallelism the Parameters a stage's cut holds are DTensors on ``"tp"``, which
+both wrappers take as torch composes them, sliced from one root mesh: ``fully_shard`` over
+``"dp"`` makes each a DTensor on the 2-D ``("dp", "tp")`` mesh (FSDP + TP), and DDP's
+replicas are torch's ``replicate`` (FSDP2's machinery, replicating over ``"dp"``), since
+``DistributedDataParallel`` takes no DTensor Parameters (torch's ``_pre_dp_module_transform``
+for it takes the Parameters out of the module at its first forward).
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ class Layout:
     dp_group: dist.ProcessGroup | None = None
     dp_size: int = 1
     data_parallel: str = "ddp"
-    dp_mesh: Any = None  # the 1-D "dp" DeviceMesh, for fully_shard
+    dp_mesh: Any = None  # the 1-D "dp" DeviceMesh, for fully_shard and replicate
     #: The 1-D ``"tp"`` DeviceMesh each stage is cut over (tensor parallelism); None: none.
     tp_mesh: Any = None
 
@@ -56,6 +64,12 @@ class Layout:
     def sharded(self) -> bool:
         """Whether the stages' parameters are sharded over ``"dp"`` (FSDP2)."""
         return self.dp_group is not None and self.data_parallel == "fsdp"
+
+    @property
+    def replaces_parameters(self) -> bool:
+        """Whether wrapping a stage puts DTensor Parameters in place of its own: FSDP2's
+        ``fully_shard``, or torch's ``replicate`` (DDP's replicas under tensor parallelism)."""
+        return self.sharded or (self.dp_group is not None and self.tp_mesh is not None)
 
     def wrap(
         self,
@@ -76,7 +90,11 @@ class Layout:
         (``find_unused_parameters=True``); without the search DDP would wait for that
         gradient, reduce none of the stage's, and the replicas would silently part (DDP's
         error comes a step later). Other stages skip the search (and torch's warning that
-        it found nothing).
+        it found nothing). Under tensor parallelism (``tp_mesh``) DDP's replicas are
+        torch's ``replicate`` over ``"dp"`` instead (DistributedDataParallel takes no
+        DTensor Parameters): FSDP2's machinery unsharded, each Parameter a DTensor
+        replicated over ``"dp"`` and cut over ``"tp"``, its gradient averaged over ``"dp"``
+        once per step; ``whole`` left out of it as ``fully_shard`` leaves them.
         ``fully_shard`` keeps the gathered parameters from the first forward to the last
         backward of a step (``reshard_after_forward=False``: one gather per step, not one
         per micro-batch), and leaves the Parameters of ``whole`` whole (unsharded, not
@@ -85,12 +103,15 @@ class Layout:
         it is."""
         if self.dp_group is None:
             return module
-        if self.data_parallel == "fsdp":
+        if self.replaces_parameters:
             kept = {id(w) for w in whole}
             if all(id(p) in kept for p in module.parameters()):
                 return module  # nothing to shard (a stage of no Parameters, or only whole)
-            shard = _fully_shard()
             ignored = {"ignored_params": set(whole)} if whole else {}
+            if not self.sharded:
+                _replicate(self.dp_size, self.tp_mesh.size())(module, mesh=self.dp_mesh, **ignored)
+                return module
+            shard = _fully_shard()
             shard(module, mesh=self.dp_mesh, reshard_after_forward=False, **ignored)
             return module
         if not any(p.requires_grad for p in module.parameters()):
@@ -114,13 +135,14 @@ def check_sharding(
     (a tied embedding and head under a V-shaped schedule, a block called at two depths
     under a looped one), which ``fully_shard`` cannot shard for both of the stages it wraps
     alone. Such a Parameter is left whole on every rank holding it (one plan, so every rank
-    decides alike), and ``sync_tied_gradients`` averages its gradient over ``"dp"``.
-    Empty without FSDP; ConfigError where this torch's ``fully_shard`` cannot leave a
-    Parameter out (no ``ignored_params``)."""
-    if not layout.sharded:
+    decides alike), and ``sync_tied_gradients`` averages its gradient over ``"dp"``. So
+    too under torch's ``replicate`` (DDP's replicas under tensor parallelism), which wraps
+    each stage alike. Empty otherwise; ConfigError where this torch's ``fully_shard``
+    cannot leave a Parameter out (no ``ignored_params``)."""
+    if not layout.replaces_parameters:
         return frozenset()
     found = shared_on_a_rank([{id(p) for p in m.parameters()} for m in modules], ranks)
-    if found and not can_leave_whole():
+    if found and layout.sharded and not can_leave_whole():
         key, (k, j) = next(iter(found.items()))
         name = next(n for n, p in modules[j].named_parameters() if id(p) == key)
         raise ConfigError(
@@ -190,12 +212,8 @@ def mesh_layout(mesh: Any, group: dist.ProcessGroup | None, options: ScheduleOpt
     size = dp.size()
     group = dp.get_group() if size > 1 else None
     tp = mesh["tp"] if "tp" in names else None
-    if tp is not None and size > 1:
-        raise ConfigError(
-            f"the mesh's 'dp' dimension has {size} ranks and its 'tp' dimension "
-            f"{tp.size()}; tensor parallelism runs with one pipeline replica so far: make "
-            "the mesh with dp=1"
-        )
+    if tp is not None and size > 1 and data_parallel == "ddp":
+        _replicate(size, tp.size())  # this torch has it
     return Layout(mesh["pp"].get_group(), group, size, data_parallel, dp, tp)
 
 
@@ -256,6 +274,22 @@ def _fully_shard() -> Any:
             f"{torch.__version__} does not have; upgrade torch or pass data_parallel='ddp'"
         ) from None
     return fully_shard
+
+
+def _replicate(dp: int, tp: int) -> Any:
+    """torch's ``replicate`` (DDP's replicas on FSDP2's machinery, which takes the DTensor
+    Parameters tensor parallelism makes), as torch's pipeline stages drive it; ConfigError
+    on a torch without it."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError:
+        raise ConfigError(
+            f"data_parallel='ddp' over a mesh of dp={dp} and tp={tp} needs torch's replicate "
+            "(torch.distributed._composable.replicate_with_fsdp: DistributedDataParallel "
+            f"takes no DTensor Parameters), which torch {torch.__version__} does not have; "
+            "pass data_parallel='fsdp', or upgrade torch"
+        ) from None
+    return replicate
 
 
 def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpipe.distributed.dtensors import full_tensor, is_dtensor, local_part, local_tensor, strided
 from fxpipe.ir import StageProgram
 
 __all__ = ["Ownership", "full_tensor", "is_dtensor", "local_tensor", "merge_state_dicts"]
@@ -145,31 +146,14 @@ class Ownership:
         return []
 
 
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a DTensor (FSDP's sharded Parameters and their gradients); False on a
-    torch that has no public DTensor, where fxpipe offers no FSDP to make one."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP), or ``t`` itself."""
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole of a DTensor (a collective over its mesh), or ``t`` itself."""
-    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined]
-
-
 def _copy_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy ``full`` into ``tensor``, or into this rank's shard of it when it is a DTensor
-    (FSDP): the slice its placements give, with no communication."""
+    """Copy ``full`` into ``tensor``, or into this rank's part of it when it is a DTensor
+    (FSDP, tensor parallelism): the slice its placements give, with no communication."""
     if not is_dtensor(tensor):
         tensor.copy_(full)
+        return
+    if strided(tensor):  # in parts: cut as the placements say (dtensors.py)
+        tensor.to_local().copy_(local_part(full, tensor))  # type: ignore[attr-defined]
         return
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

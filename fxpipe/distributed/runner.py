@@ -125,7 +125,7 @@ class DistributedPipeline:
             self._stage(program, binder if j == 0 else None, shapes.metas[j], j, copies)
             for j in self.stage_indices
         )
-        if self.layout.sharded:  # fully_shard put DTensor Parameters in the stage modules
+        if self.layout.replaces_parameters:  # fully_shard or replicate put DTensor Parameters
             sharded = {id(old): getattr(module, name) for module, name, old in slots}
             self._own.adopt(sharded, [model, plan.graph_module, *program.modules])
         # scale_grads divides each micro-batch loss's gradient (see _MeanLoss), not the
@@ -167,7 +167,7 @@ class DistributedPipeline:
         inputs, outputs = taken_metas(metas, take)
         layouts = None if self._layouts is None else self._layouts[j]
         module = StageModule(self._programs[j], binder, take, copies, layouts)
-        module.no_views = self.layout.sharded
+        module.no_views = self.layout.replaces_parameters
         whole = [p for p in module.parameters() if id(p) in self._whole]
         stage = Stage(
             self.layout.wrap(module, self.device, whole, find_unused=self._idle[j]),
@@ -332,12 +332,13 @@ class DistributedPipeline:
         whose stages read it (the plan never sends it with the micro-batches); each copy
         gets the gradient of its own uses, and this sums them, once per step, so that every
         copy has the whole gradient and every rank's optimizer makes the same update.
-        Under FSDP, a Parameter two stages of one rank read is left whole (unsharded) on
-        each replica; this also averages its gradient over ``"dp"``, as FSDP averages the
-        others. Without such a parameter this does nothing (and communicates nothing). A
-        step after an update of such a copy with no sum in between is refused
-        (ConfigError) on every rank holding one, before anything is sent; several steps per
-        sum (gradient accumulation) are fine.
+        Under FSDP (or torch's ``replicate``, DDP's replicas under tensor parallelism), a
+        Parameter two stages of one rank read is left whole (unsharded) on each replica;
+        this also averages its gradient over ``"dp"``, as FSDP averages the others.
+        Without such a parameter this does nothing (and communicates nothing). A step after
+        an update of such a copy with no sum in between is refused (ConfigError) on every
+        rank holding one, before anything is sent; several steps per sum (gradient
+        accumulation) are fine.
         """
         if not self._own.replicated:
             return

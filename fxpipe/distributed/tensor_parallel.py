@@ -5,7 +5,9 @@ programs torch's tensor parallelism then cuts.
 The plan keeps every cut value inside its stage, so the ranks of one ``"tp"`` group hold the
 same stage and send and receive whole activations, each over its own ``"pp"`` group (the
 ranks of one ``"tp"`` coordinate): each ``"tp"`` coordinate runs one copy of the pipeline, the
-stages' collectives joining the copies."""
+stages' collectives joining the copies. With ``dp`` > 1 each pipeline replica is cut alike,
+and its stages are then wrapped over ``"dp"`` (``mesh.py``: ``fully_shard`` or torch's
+``replicate`` of the cut Parameters)."""
 
 from __future__ import annotations
 

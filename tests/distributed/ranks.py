@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:  # the ranks import the test modules by their pack
 from models import ZOO, TinyGPT  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
-from fxpipe.distributed.ownership import is_dtensor  # noqa: E402
+from fxpipe.distributed.dtensors import full_tensor, is_dtensor  # noqa: E402
 
 TIME_LIMIT = 120.0  # seconds per test, all ranks together
 BATCH, N_MB = 8, 4
@@ -109,8 +109,9 @@ def eager(name: str, batch: int = BATCH) -> tuple[nn.Module, float]:
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
-    """A copy of the whole tensor: FSDP's DTensors gathered (a collective over "dp")."""
-    return t.full_tensor() if is_dtensor(t) else t.clone()
+    """A copy of the whole tensor: DTensors gathered (a collective over their mesh), FSDP's
+    shards of a weight cut in parts as fxpipe gathers them (dtensors.py)."""
+    return full_tensor(t) if is_dtensor(t) else t.clone()
 
 
 def step(pipe: fd.DistributedPipeline, args: Any, kwargs: Any, target: Any) -> list[Any]:
@@ -144,7 +145,8 @@ def train(
     replica ``i`` taking the i-th slice of a global batch of ``dp * BATCH``. ``compile``:
     pipeline_schedule's (what compiling each stage came to is returned too); ``n_mb``:
     its ``n_microbatches`` (the schedule and count it ran with are returned). With ``tp > 1``:
-    a (world / (dp * tp)) x dp x tp mesh and ``tensor_parallel="auto"``."""
+    a (world / (dp * tp)) x dp x tp mesh and ``tensor_parallel="auto"`` (the batch sliced
+    by replica alike)."""
     build, args, kwargs, loss_fn, target = problem(name, dp * BATCH)
     model = build()
     mesh, replica, tp_rank = None, 0, 0
@@ -158,6 +160,7 @@ def train(
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+    if dp > 1:
         replica = mesh.get_local_rank("dp")
         args, kwargs, target = tree_map(
             lambda t: t.chunk(dp)[replica] if isinstance(t, torch.Tensor) else t,

@@ -93,7 +93,8 @@ def test_fsdp_leaves_whole_a_parameter_read_by_two_stages_of_one_rank(
 ) -> None:
     """fully_shard wraps each stage alone: a Parameter two stages of one rank read (a tied
     weight under a V or looped schedule) cannot be sharded for both, so it is left whole,
-    on every rank; DDP, or one replica, shard nothing. A torch whose fully_shard cannot
+    on every rank (so too by replicate, DDP's replicas under tensor parallelism); DDP, or
+    one replica, shard nothing. A torch whose fully_shard cannot
     leave a Parameter out is refused, naming the stages."""
     from dataclasses import replace
 
@@ -110,6 +111,9 @@ def test_fsdp_leaves_whole_a_parameter_read_by_two_stages_of_one_rank(
     four = [stages[0], nn.Sequential(shared), nn.Sequential(nn.Linear(2, 2)), stages[2]]
     assert check_sharding(fsdp, four, (0, 1, 0, 1)) == both
     assert check_sharding(replace(fsdp, data_parallel="ddp"), stages, (0, 1, 0)) == set()
+    # DDP's replicas under tensor parallelism are torch's replicate, which wraps alike
+    replicated = replace(fsdp, data_parallel="ddp", tp_mesh=object())
+    assert check_sharding(replicated, stages, (0, 1, 0)) == both
     assert check_sharding(replace(fsdp, dp_group=None), stages, (0, 1, 0)) == set()
     monkeypatch.setattr(mesh, "can_leave_whole", lambda: False)
     with pytest.raises(ConfigError, match=r"stages 0 and 2, which are both on pipeline rank 0"):

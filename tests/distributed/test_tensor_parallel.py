@@ -1,12 +1,14 @@
 """Pipeline x tensor parallel on gloo ranks: the hand-written decoder LM (a tied embedding and
 head, a fused q, k, v) on a ("pp", "dp", "tp") mesh with ``tensor_parallel="auto"``, one stage
 cut over two ranks (1 x 1 x 2) and two stages each cut over two ranks (2 x 1 x 2), then two
-stages per rank and the zoo's Llama: the loss, every gradient (gathered whole) and the
-merged state dict after one SGD step equal eager PyTorch's, on every "tp" coordinate; and
-what is refused."""
+stages per rank and the zoo's Llama; two replicas of each under FSDP and DDP (1 x 2 x 2,
+2 x 2 x 2): the loss, every gradient (gathered whole) and the merged state dict after one
+SGD step equal eager PyTorch's on the global batch, on every "tp" coordinate; and what is
+refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from tests.distributed.ranks import (
     step,
     tiny_gpt,
     train,
+    train_cases,
     whole,
 )
 from tests.distributed.test_checkpoint import _eager_steps as eager_steps
@@ -43,9 +46,9 @@ from tests.distributed.test_checkpoint import _train_steps as train_steps
 preload(__name__)
 
 
-def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer") -> None:
-    for t in range(tp):  # each "tp" coordinate runs one copy of the pipeline
-        check_against_eager(name, [r for r in runs if r["tp_rank"] == t])
+def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer", dp: int = 1) -> None:
+    for t in range(tp):  # each "tp" coordinate runs one copy of each pipeline replica
+        check_against_eager(name, [r for r in runs if r["tp_rank"] == t], replicas=dp)
 
 
 def test_one_stage_cut_over_two_ranks_equals_eager(tmp_path: Path) -> None:
@@ -77,6 +80,41 @@ def test_two_stages_each_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
         assert "tok.weight" in r["sharded"]
 
 
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+def test_two_replicas_of_stages_cut_over_two_ranks_equal_eager(
+    tmp_path: Path, data_parallel: str
+) -> None:
+    """1 x 2 x 2: FSDP shards (or DDP's replicas, torch's replicate) over "dp" of Parameters
+    cut over "tp", each replica fed half the global batch; one stage, then two on the one
+    pipeline rank (the tied embedding and head on both: left whole by either wrapper, its
+    gradient averaged over "dp" by sync_tied_gradients). One launch for both."""
+    cases = [("transformer", "gpipe", 1), ("transformer", "loopedbfs", 2)]
+    runs = launch(train_cases, 4, tmp_path, cases=cases, tp=2, dp=2,
+                  data_parallel=data_parallel)  # fmt: skip
+    one, two = zip(*results(runs), strict=True)
+    for per_rank, whole_keys in ((one, ()), (two, ("tok.weight",))):
+        _check(list(per_rank), 2, dp=2)
+        for r in per_rank:  # every Parameter a DTensor: on ("dp", "tp"), "dp" or "tp"
+            assert r["sharded"] == sorted(r["grads"]), r["sharded"]
+            assert r["replicated"] == whole_keys
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_two_replicas_of_two_stages_cut_over_two_ranks_equal_eager(
+    tmp_path: Path, data_parallel: str
+) -> None:
+    """2 x 2 x 2: two replicas of a pipeline of two stages, each cut over two ranks; the
+    tied weight's pieces (FSDP's shards of them) summed over "pp"."""
+    runs = launch(train, 8, tmp_path, name="transformer", schedule="1f1b", tp=2, dp=2,
+                  data_parallel=data_parallel)  # fmt: skip
+    per_rank = results(runs)
+    _check(per_rank, 2, dp=2)
+    assert sorted(r["stages"] for r in per_rank) == [(0,)] * 4 + [(1,)] * 4
+    for r in per_rank:
+        assert r["replicated"] == ("tok.weight",)
+        assert r["sharded"] == sorted(r["grads"]), r["sharded"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "world", "schedule", "spr"),
@@ -95,29 +133,42 @@ def test_more_layouts_equal_eager(
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    """The messages of the meshes tensor parallelism refuses, before any communication."""
+    """The messages of the meshes tensor parallelism refuses, before any communication: no
+    "tp" dimension, a "tp" dimension without tensor_parallel, and DDP's replicas over "dp"
+    on a torch without ``replicate`` (its module hidden here); FSDP's are taken there."""
+    import sys
+
     from torch.distributed.device_mesh import init_device_mesh
 
     auto = ScheduleOptions(n_microbatches=1, tensor_parallel="auto")
     plain = ScheduleOptions(n_microbatches=1)
+    replicas = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
     cases = [
         (init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp")), auto),
-        (init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp")), auto),
+        (replicas, auto),
         (init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "dp", "tp")), plain),
     ]
     said = []
-    for mesh, options in cases:
-        with pytest.raises(ConfigError) as caught:
-            mesh_layout(mesh, None, options)
-        said.append(str(caught.value))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "torch.distributed._composable.replicate_with_fsdp", None)
+        for mesh, options in cases:
+            with pytest.raises(ConfigError) as caught:
+                mesh_layout(mesh, None, options)
+            said.append(str(caught.value))
+        fsdp = replace(auto, data_parallel="fsdp")
+        said.append(str(mesh_layout(replicas, None, fsdp).replaces_parameters))
     return said
 
 
 def test_meshes_tensor_parallelism_cannot_run_on_are_refused(tmp_path: Path) -> None:
     for said in results(launch(_refusals, 2, tmp_path)):
         assert "tensor parallelism needs a 3-D mesh named ('pp', 'dp', 'tp')" in said[0]
-        assert "runs with one pipeline replica so far: make the mesh with dp=1" in said[1]
+        assert (
+            "data_parallel='ddp' over a mesh of dp=2 and tp=1 needs torch's replicate" in (said[1])
+        )
+        assert "pass data_parallel='fsdp', or upgrade torch" in said[1]
         assert "(a 'tp' dimension needs tensor_parallel='auto')" in said[2]
+        assert said[3] == "True"  # FSDP's replicas run
 
 
 def test_tensor_parallel_without_a_mesh_is_refused() -> None:
@@ -153,11 +204,18 @@ def _hf_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
 
 
 def _hf_pipelined(
-    rank: int, world: int, *, name: str, given: dict[str, Any] | None = None
+    rank: int,
+    world: int,
+    *,
+    name: str,
+    dp: int = 1,
+    data_parallel: str = "ddp",
+    given: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """transformers' ``name`` (export-traced) on a (world / 2) x 1 x 2 mesh, one GPipe step
-    (cut as fxpipe finds, or as ``given`` says); the loss and every gradient (gathered
-    whole) beside the eager model's."""
+    """transformers' ``name`` (export-traced) on a (world / (2 dp)) x dp x 2 mesh, each
+    replica fed its slice of the batch, one GPipe step (cut as fxpipe finds, or as ``given``
+    says); the loss and every gradient (gathered whole) beside the eager model's on the
+    whole batch (over ``dp``: the replicas average their sums)."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -170,30 +228,51 @@ def _hf_pipelined(
         ids = torch.randint(0, VOCAB, (4, 8))
         target = torch.randint(0, VOCAB, (4, 8))
     reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    shape = (world // (2 * dp), dp, 2)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp"))
+    replica = mesh.get_local_rank("dp")
+    mine, wanted = ids.chunk(dp)[replica], target.chunk(dp)[replica]
     pipe = fd.pipeline_schedule(
-        model, (ids,), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False, mesh=mesh,
+        model, (mine,), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False, mesh=mesh,
         schedule="gpipe", tensor_parallel="auto" if given is None else given,
+        data_parallel=data_parallel,
     )  # fmt: skip
-    losses = step(pipe, (ids,), {}, target)
+    losses = step(pipe, (mine,), {}, wanted)
     pipe.sync_tied_gradients()
     grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
-    loss = _hf_loss(reference(ids), target)
-    loss.backward()
+    with torch.no_grad():
+        loss = _hf_loss(reference(mine), wanted)  # this replica's
+    _hf_loss(reference(ids), target).backward()
     expected = dict(reference.named_parameters(remove_duplicate=False))
     return {
         "loss": (float(sum(losses)) if losses else None, loss.item()),
-        "grads": {k: (g, expected[k].grad) for k, g in grads.items()},
+        "grads": {k: (g, expected[k].grad / dp) for k, g in grads.items()},
         "cut": sorted(k for k, p in pipe.named_parameters() if is_dtensor(p)),
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2"])
-def test_transformers_models_pipelined_and_cut_equal_eager(tmp_path: Path, name: str) -> None:
-    runs = _hf_check(tmp_path, name)
-    assert all(r["cut"] for r in runs)  # each stage holds DTensors
-    assert len({k for r in runs for k in r["grads"]}) >= 2 * 7  # every block's products
+@pytest.mark.parametrize(
+    ("world", "dp", "data_parallel"),
+    [(2, 1, "ddp"), (4, 1, "ddp"), (4, 2, "fsdp"), (8, 2, "ddp")],
+    ids=["1x1x2", "2x1x2", "1x2x2-fsdp", "2x2x2-ddp"],
+)
+def test_transformers_models_pipelined_and_cut_equal_eager(
+    tmp_path: Path, world: int, dp: int, data_parallel: str
+) -> None:
+    """GPT-2 (Conv1D, a fused q, k, v), Llama and Qwen2 on each mesh, one launch a mesh."""
+    names = ["gpt2", "llama", "qwen2"]
+    per_rank = results(launch(_hf_cases, world, tmp_path, names=names, dp=dp,
+                              data_parallel=data_parallel))  # fmt: skip
+    for runs in zip(*per_rank, strict=True):
+        _hf_equal(list(runs), dp)
+        assert all(r["cut"] for r in runs)  # each stage holds DTensors
+        assert len({k for r in runs for k in r["grads"]}) >= 2 * 7  # every block's products
+
+
+def _hf_cases(rank: int, world: int, *, names: list[str], **options: Any) -> list[dict[str, Any]]:
+    """:func:`_hf_pipelined` for each model in turn, in one launch of the ranks."""
+    return [_hf_pipelined(rank, world, name=name, **options) for name in names]
 
 
 @pytest.mark.slow
@@ -209,7 +288,8 @@ def test_a_plan_given_in_torchs_form_cuts_what_it_names_and_equals_eager(
         "model.layers.*.mlp.up_proj": ColwiseParallel(),
         "model.layers.*.mlp.down_proj": RowwiseParallel(),
     }
-    runs = _hf_check(tmp_path, "llama", given)
+    runs = results(launch(_hf_pipelined, 4, tmp_path, name="llama", given=given))
+    _hf_equal(runs, 1)
     cut = {k for r in runs for k in r["cut"]}
     assert cut == {
         f"model.layers.{i}.mlp.{p}.weight" for i in range(2)
@@ -217,44 +297,50 @@ def test_a_plan_given_in_torchs_form_cuts_what_it_names_and_equals_eager(
     }  # fmt: skip
 
 
-def _hf_check(tmp_path: Path, name: str, given: dict[str, Any] | None = None) -> list[Any]:
-    """The runs of ``_hf_pipelined`` on 4 ranks, their losses and gradients equal eager's."""
-    runs = results(launch(_hf_pipelined, 4, tmp_path, name=name, given=given))
+def _hf_equal(runs: list[dict[str, Any]], dp: int) -> None:
+    """The runs' losses and gradients equal eager's."""
     last = [r["loss"] for r in runs if r["loss"][0] is not None]
-    assert len(last) == 2  # each "tp" rank of the last stage
+    assert len(last) == 2 * dp  # each "tp" rank of the last stage, in each replica
     for got, want in last:
         assert got == pytest.approx(want, rel=1e-5)
     for r in runs:
         for key, (grad, eager) in r["grads"].items():
             close(grad, eager, f"grad of {key}")
-    return runs
 
 
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def _save_cut_load_whole(rank: int, world: int, *, folder: str) -> dict[str, Any]:
-    """One step at 2 x 1 x 2 (the stages cut over "tp": DTensors, the fused q, k, v placed
-    strided), saved with torch.distributed.checkpoint; then loaded at 4 x 1 without tensor
+def _save_cut_load_whole(
+    rank: int, world: int, *, folder: str, dp: int, data_parallel: str
+) -> dict[str, Any]:
+    """One step at (2 / dp) x dp x 2 (the stages cut over "tp": DTensors, the fused q, k, v
+    placed strided; with dp = 2 under ``data_parallel`` too, each replica fed half the
+    batch), saved with torch.distributed.checkpoint; then loaded at 4 x 1 without tensor
     parallelism and at 1 x 1 x 4 (one stage cut over 4 ranks), each taking two more steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _, args, _, _, target = problem("transformer", BATCH)
     out: dict[str, Any] = {}
     layouts = {
-        "save": ((2, 1, 2), ("pp", "dp", "tp")),
+        "save": ((2 // dp, dp, 2), ("pp", "dp", "tp")),
         "whole": ((4, 1), ("pp", "dp")),
         "cut": ((1, 1, 4), ("pp", "dp", "tp")),
     }
     for layout, (shape, names) in layouts.items():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mine, wanted = args, target
+        if layout == "save":  # this replica's half
+            replica = mesh.get_local_rank("dp")
+            mine, wanted = (args[0].chunk(dp)[replica],), target.chunk(dp)[replica]
         pipe = fd.pipeline_schedule(
-            tiny_gpt(), args, n_microbatches=N_MB, loss_fn=lm_mean, scale_grads=True,
+            tiny_gpt(), mine, n_microbatches=N_MB, loss_fn=lm_mean, scale_grads=True,
             mesh=mesh, schedule="1f1b", tensor_parallel="auto" if "tp" in names else None,
+            data_parallel=data_parallel if layout == "save" else "ddp",
         )  # fmt: skip
         optimizer = sgd(pipe.parameters())
         if layout == "save":
-            out["losses"] = train_steps(pipe, optimizer, args, target, 1)
+            out["losses"] = train_steps(pipe, optimizer, mine, wanted, 1)
             pipe.save_checkpoint(folder, optimizer)
             continue
         pipe.load_checkpoint(folder, optimizer)
@@ -265,15 +351,23 @@ def _save_cut_load_whole(rank: int, world: int, *, folder: str) -> dict[str, Any
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_cut_over_tp_resumes_uncut_and_in_eager(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("dp", "data_parallel"), [(1, "ddp"), (2, "fsdp")])
+def test_a_checkpoint_saved_cut_over_tp_resumes_uncut_and_in_eager(
+    tmp_path: Path, dp: int, data_parallel: str
+) -> None:
+    """Saved from 2 x 1 x 2, or from 1 x 2 x 2 under FSDP (the shards of a weight cut in
+    parts, and of its momentum, gathered as fxpipe places them)."""
     import torch.distributed.checkpoint as dcp
 
     folder = tmp_path / "checkpoint"
-    per_rank = results(launch(_save_cut_load_whole, 4, tmp_path, folder=str(folder)))
+    runs = launch(_save_cut_load_whole, 4, tmp_path, folder=str(folder), dp=dp,
+                  data_parallel=data_parallel)  # fmt: skip
+    per_rank = results(runs)
     _, args, _, _, target = problem("transformer", BATCH)
     losses, after_first = eager_steps(args, target)
     first = [r["losses"][0] for r in per_rank if r["losses"][0] == r["losses"][0]]
-    assert first == pytest.approx([losses[0]] * 2, rel=1e-5)  # each "tp" coordinate's
+    assert len(first) == 2 * dp  # each "tp" coordinate's, in each replica
+    assert sum(first) / len(first) == pytest.approx(losses[0], rel=1e-5)  # halves' means
     for layout, last in (("whole", 1), ("cut", 4)):  # ranks whose (last) stage has the loss
         loaded = fd.merge_state_dicts(r[layout] for r in per_rank)
         assert loaded.keys() == after_first.keys()
