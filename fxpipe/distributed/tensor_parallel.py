@@ -63,8 +63,10 @@ def plan_tensor_parallel(
 
 
 def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
-    """``plan`` for one stage's GraphModule: the cuts of its own nodes."""
-    names = {n.name for n in gm.graph.nodes}
+    """``plan`` for one stage's GraphModule: the cuts of its own nodes (not of its inputs,
+    which are named after the values another stage computed: a row-wise product's output
+    sent on is whole, but the product's style is its own stage's)."""
+    names = {n.name for n in gm.graph.nodes if n.op != "placeholder"}
 
     def mine(table: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in table.items() if k in names}

@@ -155,3 +155,18 @@ def test_the_stages_are_balanced_by_one_tp_ranks_costs_in_seconds() -> None:
             if plan.node_styles.get(node.name) == "colwise":  # half the work, no collective
                 assert got == pytest.approx(costs.nodes[node.name].cost * seconds / 2)
     assert rank_costs(_compiled("params"), 2) is None  # bytes are not a time: left as is
+
+
+def test_a_stage_input_named_after_a_cut_product_is_not_cut_in_that_stage() -> None:
+    """A stage's inputs are named after the values other stages computed; a row-wise
+    product's output sent on is whole, and the next stage's plan must not take the
+    product's style for its input (a partition by one rank's costs put one on a border)."""
+    from fxpipe.distributed.tensor_parallel import stage_plan
+    from fxpipe.passes.tensor.plan import tensor_plan
+
+    compiled = _compiled("auto")
+    plan = tensor_plan(compiled.plan.graph_module, 2, compiled.traced.example_values)
+    row = next(n for n, s in plan.node_styles.items() if s == "rowwise")
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder(row))
+    assert stage_plan(plan, torch.fx.GraphModule(nn.Module(), graph)).node_styles == {}
