@@ -3,8 +3,9 @@ head, a fused q, k, v) on a ("pp", "dp", "tp") mesh with ``tensor_parallel="auto
 cut over two ranks (1 x 1 x 2) and two stages each cut over two ranks (2 x 1 x 2), then two
 stages per rank and the zoo's Llama; two replicas of each under FSDP and DDP (1 x 2 x 2,
 2 x 2 x 2): the loss, every gradient (gathered whole) and the merged state dict after one
-SGD step equal eager PyTorch's on the global batch, on every "tp" coordinate; and what is
-refused."""
+SGD step equal eager PyTorch's on the global batch, on every "tp" coordinate. Then
+transformers' GPT-2, Llama and Qwen2 on each mesh, a plan given in torch's form, compiled
+stages, checkpoints across layouts; and what is refused."""
 
 from __future__ import annotations
 
