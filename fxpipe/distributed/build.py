@@ -133,7 +133,9 @@ def pipeline_schedule(
     (DTensors on the 2-D ``("dp", "tp")`` mesh), and ``"ddp"`` replicates them with torch's
     ``replicate`` (``DistributedDataParallel`` takes no DTensor Parameters). With
     ``compile=`` each rank's cut program is compiled (its DTensor products traced
-    through); not yet with a zero-bubble schedule. A plan in torch's ``parallelize_module``
+    through); the zero-bubble schedules split each rank's backward through its
+    tensor-parallel collectives (every rank of a ``"tp"`` group runs the same schedule, so
+    they meet alike). A plan in torch's ``parallelize_module``
     form (``{"model.layers.*.mlp.up_proj": ColwiseParallel(), ...}``) overrides the search:
     only the cuts it names are made, each proved as the search proves its own, and one that
     cannot be is refused with the reason (:mod:`fxpipe.passes.tensor.given`). None: no

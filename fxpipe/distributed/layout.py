@@ -34,7 +34,6 @@ from fxpipe.distributed.layout_table import format_layouts
 from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
 from fxpipe.distributed.options import (
     SCHEDULES,
-    SPLIT_BACKWARD,
     V_SHAPED,
     check_count,
     check_data_parallel,
@@ -197,8 +196,6 @@ def suggest_layout(
         per = _tensor_parallel(priced, tp, float(tp_bandwidth))
         layouts = _candidates(world_size // tp, priced.batch, names, loops, wanted)
         for pp, dp, v, m, schedule in layouts:
-            if tp > 1 and schedule in SPLIT_BACKWARD:
-                continue  # pipeline_schedule runs no split backward under tensor parallelism
             k = pp * v
             if (tp, k) not in splits:
                 splits[(tp, k)] = stage_split(per, k, checkpoint, slack)

@@ -140,7 +140,7 @@ class ScheduleOptions:
             )
         if isinstance(self.tensor_parallel, Mapping):
             object.__setattr__(self, "tensor_parallel", given_plan(self.tensor_parallel))
-        _check_tensor_parallel(self.tensor_parallel, kind)
+        _check_tensor_parallel(self.tensor_parallel)
         if compiled is not None and self.data_parallel == "fsdp":
             raise ConfigError(
                 "compile= with data_parallel='fsdp' is not supported (FSDP2 gathers and frees "
@@ -239,23 +239,14 @@ def micro_batch_problem(schedule: str, n_microbatches: int, world: int, total: i
 TENSOR_PARALLEL = ("auto", None)
 
 
-def _check_tensor_parallel(value: object, schedule: str) -> None:
-    """ConfigError unless ``value`` is one of :data:`TENSOR_PARALLEL` or a plan, and for what
-    tensor parallelism does not run with yet (a split backward)."""
+def _check_tensor_parallel(value: object) -> None:
+    """ConfigError unless ``value`` is one of :data:`TENSOR_PARALLEL` or a plan."""
     if not isinstance(value, GivenPlan) and value not in TENSOR_PARALLEL:
         raise ConfigError(
             f"tensor_parallel={value!r} is not one of {TENSOR_PARALLEL}; pass 'auto' (each "
             "stage cut over the mesh's 'tp' dimension as fxpipe plans it), a dict "
             "{module path: ColwiseParallel() | RowwiseParallel()} as parallelize_module "
             "takes, or None"
-        )
-    if value is None:
-        return
-    if schedule in SPLIT_BACKWARD:
-        raise ConfigError(
-            f"schedule={schedule!r} with tensor_parallel='auto' is not run yet (a zero-bubble "
-            "schedule splits each stage's backward, through its tensor-parallel "
-            "collectives); use 'gpipe', '1f1b', 'interleaved1f1b' or 'loopedbfs'"
         )
 
 

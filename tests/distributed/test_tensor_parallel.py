@@ -114,6 +114,14 @@ def test_two_replicas_of_two_stages_cut_over_two_ranks_equal_eager(tmp_path: Pat
         assert r["sharded"] == sorted(r["grads"]), r["sharded"]
 
 
+def test_zero_bubble_split_backward_through_tp_under_fsdp_equals_eager(tmp_path: Path) -> None:
+    """1 x 2 x 2, ZBV (two stages on the rank, each backward split into input and weight
+    parts through the tensor-parallel collectives) under FSDP's replicas: equal to eager."""
+    runs = launch(train, 4, tmp_path, name="transformer", schedule="zbvzerobubble", spr=2,
+                  tp=2, dp=2, data_parallel="fsdp")  # fmt: skip
+    _check(results(runs), 2, dp=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "world", "schedule", "spr"),
@@ -181,10 +189,6 @@ def test_tensor_parallel_without_a_mesh_is_refused() -> None:
         ({"tensor_parallel": "yes"}, r"tensor_parallel='yes' is not one of \('auto', None\)"),
         ({"tensor_parallel": {}}, r"tensor_parallel=\{\} is not a plan"),
         ({"tensor_parallel": {"model.norm": SequenceParallel()}}, r"model.norm.\] = .* not run"),
-        (
-            {"schedule": "zbvzerobubble", "stages_per_rank": 2},
-            r"schedule='zbvzerobubble' with tensor_parallel='auto' is not run yet",
-        ),
     ],
 )
 def test_what_tensor_parallelism_does_not_run_with_is_refused(
