@@ -100,6 +100,7 @@ def test_two_replicas_of_stages_cut_over_two_ranks_equal_eager(
             assert r["replicated"] == whole_keys
 
 
+@pytest.mark.slow
 def test_two_replicas_of_two_stages_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
     """2 x 2 x 2 under FSDP: two replicas of a pipeline of two stages, each cut over two
     ranks; the tied weight's pieces (FSDP's shards of them) summed over "pp" (DDP's
@@ -114,6 +115,7 @@ def test_two_replicas_of_two_stages_cut_over_two_ranks_equal_eager(tmp_path: Pat
         assert r["sharded"] == sorted(r["grads"]), r["sharded"]
 
 
+@pytest.mark.slow
 def test_zero_bubble_split_backward_through_tp_under_fsdp_equals_eager(tmp_path: Path) -> None:
     """1 x 2 x 2, ZBV (two stages on the rank, each backward split into input and weight
     parts through the tensor-parallel collectives) under FSDP's replicas: equal to eager."""
