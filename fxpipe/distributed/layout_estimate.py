@@ -71,7 +71,9 @@ Memory per rank, in training: :func:`fxpipe.passes.split.plan.stage_memory` of e
 stages (weights, gradients and two Adam moments, and the activations fxpipe estimates the
 stage keeps for backward), its activations scaled to the micro-batches in flight at the
 rank's peak, plus one more copy of the gradients when ``dp > 1`` (DDP's buckets: torch's
-``gradient_as_bucket_view=False`` default). With ``data_parallel="fsdp"`` (FSDP2, as
+``gradient_as_bucket_view=False`` default; under tensor parallelism ``"ddp"`` is torch's
+``replicate``, whose all-reduce runs on one flat copy of a stage's gradients, the same
+size). With ``data_parallel="fsdp"`` (FSDP2, as
 ``fd.pipeline_schedule`` runs it: gathered from a step's first forward to its last
 backward) a rank holds its stages' whole weights and gradients while the step runs, and
 ``1 / dp`` of the weights, gradients and Adam moments in between: ``2 + 4 / dp`` copies of
