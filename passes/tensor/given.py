@@ -44,9 +44,6 @@ class GivenPlan:
         """What the plan allows for a weight held by the modules at ``paths``."""
         return {style for path in paths for key, style in self.entries if _matches(key, path)}
 
-    def keys(self) -> list[str]:
-        return [key for key, _ in self.entries]
-
 
 def given_plan(plan: object) -> GivenPlan:
     """``plan`` (``{module path: ColwiseParallel() | RowwiseParallel()}``) read; ConfigError
@@ -69,7 +66,7 @@ def given_plan(plan: object) -> GivenPlan:
 
 
 def _allows(key: str, style: Any) -> GivenStyle:
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     inputs = tuple(getattr(style, "input_layouts", ()) or ())
@@ -77,7 +74,7 @@ def _allows(key: str, style: Any) -> GivenStyle:
     if type(style) is ColwiseParallel and inputs == (Replicate(),):
         if outputs == (Replicate(),):
             return "gathered"
-        if outputs in ((Shard(-1),), (Shard(1),)) or _last(outputs):
+        if _last(outputs):  # the features cut, as fxpipe's search cuts them
             return "colwise"
     if type(style) is RowwiseParallel and outputs == (Replicate(),):
         if inputs == (Replicate(),):

@@ -84,6 +84,7 @@ def test_a_cut_the_head_count_forbids_is_refused_with_the_reason() -> None:
         ({"model.layers.*.attn.q_proj": ColwiseParallel()}, "matches no module"),
         ({"model.norm": SequenceParallel()}, "is not run"),
         ({"model.layers.*.mlp.up_proj": ColwiseParallel(input_layouts=Shard(1))}, "is not run"),
+        ({"model.layers.*.mlp.up_proj": ColwiseParallel(output_layouts=Shard(1))}, "not run"),
         ({"model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))}, "not run"),
         ({"model.layers.0.mlp.up_proj": RowwiseParallel(input_layouts=Replicate())}, "product"),
         ({}, "is not a plan"),
