@@ -10,7 +10,6 @@ import torch.fx as fx
 
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.tensor.cuts import ATTENTION_OPS
-from fxpipe.passes.tensor.given import weight_paths
 from fxpipe.passes.tensor.products import Embedding, Product
 from fxpipe.passes.tensor.records import (
     GroupKind,
@@ -228,10 +227,9 @@ class Assembly:
     def _embedding_refusal(self, e: Embedding, heads: dict[str, str]) -> str | None:
         """Why embedding ``e`` is not cut by rows (``heads``: weight -> the LM head that may
         read it cut alike), or None."""
-        given = self.search.given
-        if given is not None:
-            allowed = given.allowed(weight_paths(self.search.gm, e.weight))
-            if not allowed & {"embedding", "rowwise"}:
+        allowed_of = self.search.allowed_of
+        if allowed_of is not None:
+            if not allowed_of(e.weight) & {"embedding", "rowwise"}:
                 return "embedding the given plan does not name RowwiseParallel()"
         if e.rows % self.tp:
             return f"embedding of {e.rows} rows, which do not divide by tp={self.tp}"

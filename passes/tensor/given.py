@@ -12,7 +12,7 @@ Paths match as in ``parallelize_module``: atom by atom, each a shell pattern
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any, Literal, TypeAlias
@@ -22,7 +22,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 
-__all__ = ["GivenPlan", "GivenStyle", "check_given", "given_plan", "weight_paths"]
+__all__ = ["GivenPlan", "GivenStyle", "check_given", "given_plan"]
 
 #: What a style lets the search do with the weights of the modules it names.
 GivenStyle: TypeAlias = Literal["colwise", "rowwise", "gathered", "embedding"]
@@ -43,6 +43,19 @@ class GivenPlan:
     def allowed(self, paths: Iterable[str]) -> set[GivenStyle]:
         """What the plan allows for a weight held by the modules at ``paths``."""
         return {style for path in paths for key, style in self.entries if _matches(key, path)}
+
+    def on(self, gm: fx.GraphModule) -> Callable[[str], set[GivenStyle]]:
+        """Parameter name -> what the plan allows it in ``gm`` (the modules holding each
+        weight found in one pass over ``gm``, each weight's answer kept)."""
+        holders = _weight_holders(gm)
+        kept: dict[str, set[GivenStyle]] = {}
+
+        def allowed(weight: str) -> set[GivenStyle]:
+            if weight not in kept:
+                kept[weight] = self.allowed(holders.get(weight, [weight.rpartition(".")[0]]))
+            return kept[weight]
+
+        return allowed
 
 
 def given_plan(plan: object) -> GivenPlan:
@@ -99,28 +112,31 @@ def _matches(key: str, path: str) -> bool:
     return len(atoms) == len(parts) and all(fnmatchcase(p, a) for a, p in zip(atoms, parts))
 
 
-def weight_paths(gm: fx.GraphModule, weight: str) -> list[str]:
-    """The module paths of ``gm`` holding the parameter ``weight`` as their ``weight`` (a
-    tied one has several), and ``weight``'s own prefix (export's graphs keep no modules)."""
-    paths = [weight.rpartition(".")[0]]
-    try:
-        param = gm.get_parameter(weight)
-    except AttributeError:
-        return paths
+def _weight_holders(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """Parameter name -> its own prefix (export's graphs keep no modules) and the module
+    paths of ``gm`` holding it as their ``weight`` (a tied one has several)."""
+    by_id: dict[int, list[str]] = {}
     for path, module in gm.named_modules(remove_duplicate=False):
-        if module._parameters.get("weight") is param and path not in paths:
-            paths.append(path)
-    return paths
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            by_id.setdefault(id(weight), []).append(path)
+    out: dict[str, list[str]] = {}
+    for name, param in gm.named_parameters(remove_duplicate=False):
+        own = name.rpartition(".")[0]
+        out[name] = [own, *(p for p in by_id.get(id(param), []) if p != own)]
+    return out
 
 
 def check_given(
     given: GivenPlan,
     gm: fx.GraphModule,
     made: Mapping[str, tuple[str, bool, str, str]],
+    allowed_of: Callable[[str], set[GivenStyle]],
 ) -> None:
     """ConfigError unless every key of ``given`` names a module of ``gm`` and every cut it
     names was made. ``made``: product or embedding node -> (its weight, whether it is an
-    embedding, the style the plan gave it or "whole", why)."""
+    embedding, the style the plan gave it or "whole", why); ``allowed_of``:
+    ``given.on(gm)``."""
     modules = dict(gm.named_modules(remove_duplicate=False))
     paths = set(modules) | {n.rpartition(".")[0] for n, _ in gm.named_parameters()}
     for key, style in given.entries:
@@ -138,7 +154,7 @@ def check_given(
             )
     looked_up = {weight for weight, lookup, _, _ in made.values() if lookup}
     for node, (weight, lookup, got, why) in made.items():
-        allowed = given.allowed(weight_paths(gm, weight))
+        allowed = allowed_of(weight)
         wanted = allowed & ({"embedding", "rowwise"} if lookup else _PRODUCT)
         if len(wanted) > 1:
             raise ConfigError(

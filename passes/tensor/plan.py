@@ -65,5 +65,6 @@ def tensor_plan(
         for name, e in embeddings.items():
             why = plan.params[e.weight].reason if e.weight in plan.params else ""
             made[name] = (e.weight, True, plan.node_styles.get(name, "whole"), why)
-        check_given(given, gm, made)
+        assert search.allowed_of is not None
+        check_given(given, gm, made, search.allowed_of)
     return plan

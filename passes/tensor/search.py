@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.tensor.cuts import ATTENTION_OPS, Blocked, Rules
-from fxpipe.passes.tensor.given import GivenPlan, weight_paths
+from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.layouts import follow
 from fxpipe.passes.tensor.products import Product
 from fxpipe.passes.tensor.records import Layout, Shard
@@ -75,10 +75,11 @@ class Search:
     ) -> None:
         self.gm, self.rules, self.products, self.readers = gm, rules, products, readers
         self.stage_of = stage_of
-        #: The user's plan, and what it allows each product (None: fxpipe chooses).
+        #: The user's plan, what it allows a weight and each product (None: fxpipe chooses).
         self.given = given
+        self.allowed_of = given.on(gm) if given is not None else None
         self.allowed = {
-            name: given.allowed(weight_paths(gm, p.weight)) if given is not None else None
+            name: None if self.allowed_of is None else self.allowed_of(p.weight)
             for name, p in products.items()
         }
         self.nodes = {n.name: n for n in gm.graph.nodes}
