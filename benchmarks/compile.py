@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -59,7 +58,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from benchmarks.harness.machine import library_versions, usable_cores
+from benchmarks.harness.machine import device_record
 from benchmarks.harness.models.steps import MODELS, Batch, Loss
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.timing import ratio_row, time_interleaved
@@ -324,13 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else result_path(name)
     meta = {
         "command": command_line(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cores": usable_cores(),
+        **device_record(device),
         "threads": torch.get_num_threads(),
         "compile_cache": "warm" if a.warm_cache else "cold",
         "mode": a.mode,
-        "python": platform.python_version(),
-        **library_versions(("torch", "transformers")),
         "verdicts": _verdicts(rows),
     }
     return save_json(out, {"meta": meta, "rows": rows})

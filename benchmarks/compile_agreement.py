@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +35,7 @@ from torch import nn
 
 import fxpipe
 from benchmarks.compile import _on, _relative, _step
-from benchmarks.harness.machine import library_versions, usable_cores
+from benchmarks.harness.machine import device_record
 from benchmarks.harness.models.steps import MODELS, Batch
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 
@@ -134,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "compile_agreement" if device.type == "cpu" else f"compile_agreement_{device.type}"
     meta = {
         "command": command_line(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cores": usable_cores(),
-        "python": platform.python_version(),
-        **library_versions(("torch", "transformers")),
+        **device_record(device),
     }
     return save_json(
         Path(opts.out) if opts.out else result_path(name), {"meta": meta, "rows": rows}

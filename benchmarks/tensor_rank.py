@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from benchmarks.harness.machine import library_versions, usable_cores
+from benchmarks.harness.machine import device_record
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.timing import time_interleaved
 from fxpipe.distributed.layout_tensor import tensor_costs
@@ -181,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     name += "_compiled" if a.compile else ""
     meta = {
         "command": command_line(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cores": usable_cores(),
-        "python": platform.python_version(),
-        **library_versions(("torch", "transformers")),
+        **device_record(device),
     }
     out = Path(a.out) if a.out else result_path(name)
     return save_json(out, {"meta": meta, "rows": rows})

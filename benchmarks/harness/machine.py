@@ -7,7 +7,14 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_model", "load_average", "library_versions", "usable_cores", "machine_record"]
+__all__ = [
+    "cpu_model",
+    "load_average",
+    "library_versions",
+    "usable_cores",
+    "machine_record",
+    "device_record",
+]
 
 
 def cpu_model() -> str:
@@ -48,3 +55,13 @@ def machine_record(libraries: tuple[str, ...] = ("torch", "transformers")) -> di
     of ``libraries``."""
     return {"platform": platform.platform(), "cores": usable_cores(),
             **library_versions(libraries)}  # fmt: skip
+
+
+def device_record(device: Any) -> dict[str, Any]:
+    """What a result timed on ``device`` (a torch.device) records: the GPU's name or
+    "cpu", the usable cores, Python's version and torch's and transformers'."""
+    import torch
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "cores": usable_cores(), "python": platform.python_version(),
+            **library_versions(("torch", "transformers"))}  # fmt: skip
