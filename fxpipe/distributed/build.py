@@ -43,6 +43,7 @@ from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import CompileChoice, PlanOptions
 from fxpipe.passes.tensor.given import GivenPlan
+from fxpipe.passes.tensor.sequence import SequenceChoice
 from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
 
 __all__ = ["pipeline_schedule", "SCHEDULES", "check_weight_part"]
@@ -68,6 +69,7 @@ def pipeline_schedule(
     data_parallel: str = "ddp",
     compile: CompileChoice = False,
     tensor_parallel: Any = None,
+    sequence_parallel: SequenceChoice = "auto",
 ) -> DistributedPipeline:
     """Plan ``model`` into ``world_size * stages_per_rank`` stages; build this rank's part.
 
@@ -139,7 +141,11 @@ def pipeline_schedule(
     form (``{"model.layers.*.mlp.up_proj": ColwiseParallel(), ...}``) overrides the search:
     only the cuts it names are made, each proved as the search proves its own, and one that
     cannot be is refused with the reason (:mod:`fxpipe.passes.tensor.given`). None: no
-    tensor parallelism.
+    tensor parallelism. ``sequence_parallel`` (under ``"auto"``): hold the values between
+    row-wise and column-wise products (norms, residual adds, dropouts) cut along the
+    sequence where that pays (``"auto"``: a region with a norm that communicates no more
+    than the all-reduces it replaces, and one stage output), wherever it can (True), or
+    nowhere (False) (:mod:`fxpipe.passes.tensor.sequence`).
 
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
@@ -159,6 +165,7 @@ def pipeline_schedule(
         data_parallel=data_parallel,
         compile=compile,
         tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
     )
     example = example_input if isinstance(example_input, tuple) else (example_input,)
     return _build(
@@ -209,7 +216,7 @@ def _build(
     )
     given = options.tensor_parallel if isinstance(options.tensor_parallel, GivenPlan) else None
     if layout.tp_mesh is not None:  # balanced by what one "tp" rank of each stage runs
-        cost = rank_costs(compiled, layout.tp_mesh.size(), given)
+        cost = rank_costs(compiled, layout.tp_mesh.size(), given, options.sequence_parallel)
         if cost is not None:
             compiled = _plan(model, (args, kwargs), replace(options, cost=cost),
                              [target] * total, None)  # fmt: skip
@@ -228,7 +235,9 @@ def _build(
         check_agreement(plan, program, config, layout.dp_group, target)
     cut = None
     if layout.tp_mesh is not None:  # every rank plans alike, from the same example
-        cut = plan_tensor_parallel(plan, values, layout.tp_mesh.size(), given)
+        cut = plan_tensor_parallel(
+            plan, values, layout.tp_mesh.size(), given, options.sequence_parallel
+        )
     sizes = StepShapes(
         program, binder, found, args, kwargs, n_microbatches=options.n_microbatches,
         group=group, device=target, comm=comm_device(group, target),

@@ -15,8 +15,12 @@ of their input's gradient in the backward (Megatron-LM's f and g; the same size 
 transformer block, counted as the row-wise output's); a vocabulary-parallel embedding waits
 for the all-reduce of its lookups (forward only), an LM head cut by vocabulary for the
 all-gather of its logits, ``(tp - 1) / tp`` of their bytes, and the all-reduce of its input's
-gradient. The collectives are not overlapped with compute, as torch's tensor-parallel
-styles run them.
+gradient. Under sequence parallelism (``plan.sequence``) the norms, adds and dropouts
+between a row-wise product and the next column-wise ones compute ``1 / tp`` of the tokens and
+keep ``1 / tp`` of their activations; a row-wise product then waits for a reduce-scatter
+forward and an all-gather backward, and each value gathered from the region for an
+all-gather forward and a reduce-scatter backward (together the all-reduces they replace).
+The collectives are not overlapped with compute, as torch's tensor-parallel styles run them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from fxpipe.ir import CostTable, NodeCost
 from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import TensorPlan
+from fxpipe.passes.tensor.sequence import SequenceChoice
 
 __all__ = ["DEFAULT_TP_BANDWIDTH", "tensor_costs"]
 
@@ -48,11 +53,12 @@ def tensor_costs(
     bandwidth: float,
     seconds: float,
     given: GivenPlan | None = None,
+    sequence_parallel: SequenceChoice = "auto",
 ) -> tuple[CostTable, TensorPlan]:
     """``costs`` as one of ``tp`` ranks runs ``gm`` under its tensor-parallel plan (the one
     fxpipe finds, or the cuts ``given`` names), and the plan. ``seconds``: seconds per unit
     of cost (a collective's seconds are added in the table's unit)."""
-    plan = tensor_plan(gm, tp, example_values, given=given)
+    plan = tensor_plan(gm, tp, example_values, given=given, sequence_parallel=sequence_parallel)
     if tp == 1:
         return costs, plan
     ring = 2 * (tp - 1) / tp
@@ -60,12 +66,14 @@ def tensor_costs(
     held = _param_bytes(gm, plan, nodes)
     table: dict[str, NodeCost] = {}
     for name, c in costs.nodes.items():
-        cut = name in plan.layouts or name in plan.node_styles
+        cut = name in plan.layouts or name in plan.node_styles or name in plan.sequence
         cost = c.cost / tp if cut else c.cost
         style = plan.node_styles.get(name)
         waited = 0.0  # bytes of collectives this node waits for, forward and backward
+        if name in plan.sequence_gathers:  # all-gathered, its gradient reduce-scattered
+            waited = ring * c.output_bytes
         if style == "rowwise":
-            waited = 2 * ring * c.output_bytes
+            waited = (1 if name in plan.sequence else 2) * ring * c.output_bytes
         elif style == "vocab":
             waited = ring * c.output_bytes
         elif style == "gathered":

@@ -31,6 +31,7 @@ from fxpipe.options import (
     check_slack,
 )
 from fxpipe.passes.tensor.given import GivenPlan, given_plan
+from fxpipe.passes.tensor.sequence import SEQUENCE_CHOICES, SequenceChoice
 
 __all__ = [
     "ScheduleOptions",
@@ -114,6 +115,10 @@ class ScheduleOptions:
     #: ``parallelize_module`` form (kept as a :class:`GivenPlan`): only the cuts it names;
     #: None: no tensor parallelism.
     tensor_parallel: str | GivenPlan | None = None
+    #: Under ``tensor_parallel="auto"``, the values between row-wise and column-wise
+    #: products held cut along the sequence where that pays (``"auto"``), wherever it can
+    #: (True) or nowhere (False): :mod:`fxpipe.passes.tensor.sequence`.
+    sequence_parallel: SequenceChoice = "auto"
 
     def __post_init__(self) -> None:
         kind = check_schedule("schedule", self.schedule)
@@ -141,6 +146,7 @@ class ScheduleOptions:
         if isinstance(self.tensor_parallel, Mapping):
             object.__setattr__(self, "tensor_parallel", given_plan(self.tensor_parallel))
         _check_tensor_parallel(self.tensor_parallel)
+        _check_sequence_parallel(self.sequence_parallel, self.tensor_parallel)
         if compiled is not None and self.data_parallel == "fsdp":
             raise ConfigError(
                 "compile= with data_parallel='fsdp' is not supported (FSDP2 gathers and frees "
@@ -247,6 +253,22 @@ def _check_tensor_parallel(value: object) -> None:
             "stage cut over the mesh's 'tp' dimension as fxpipe plans it), a dict "
             "{module path: ColwiseParallel() | RowwiseParallel()} as parallelize_module "
             "takes, or None"
+        )
+
+
+def _check_sequence_parallel(value: object, tensor_parallel: object) -> None:
+    """ConfigError unless ``value`` is one of :data:`SEQUENCE_CHOICES`, and True only where
+    fxpipe plans the tensor parallelism."""
+    if value not in SEQUENCE_CHOICES or not isinstance(value, (bool, str)):
+        raise ConfigError(
+            f"sequence_parallel={value!r} is not one of {SEQUENCE_CHOICES}; pass 'auto' "
+            "(where it pays), True (wherever it can) or False (nowhere)"
+        )
+    if value is True and tensor_parallel != "auto":
+        raise ConfigError(
+            f"sequence_parallel=True with tensor_parallel={tensor_parallel!r}: sequence "
+            "parallelism is planned with fxpipe's own plan; pass tensor_parallel='auto', "
+            "or leave sequence_parallel at 'auto'"
         )
 
 

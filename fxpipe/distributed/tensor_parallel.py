@@ -26,6 +26,7 @@ from fxpipe.passes.tensor.local import local_program
 from fxpipe.passes.tensor.parallelize import parallelize_program
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import TensorPlan
+from fxpipe.passes.tensor.sequence import SequenceChoice
 
 __all__ = ["plan_tensor_parallel", "rank_costs", "stage_plan", "parallelize_stages", "cut_dims"]
 
@@ -33,7 +34,12 @@ __all__ = ["plan_tensor_parallel", "rank_costs", "stage_plan", "parallelize_stag
 _SECONDS_PER = {"s": 1.0, "flop": None}
 
 
-def rank_costs(compiled: Compiled, tp: int, given: GivenPlan | None = None) -> MeasuredCost | None:
+def rank_costs(
+    compiled: Compiled,
+    tp: int,
+    given: GivenPlan | None = None,
+    sequence_parallel: SequenceChoice = "auto",
+) -> MeasuredCost | None:
     """Each node's cost on one of ``tp`` ranks, in seconds, as ``fd.suggest_layout`` prices
     it (:func:`fxpipe.distributed.layout_tensor.tensor_costs`: a node the plan cuts costs
     ``1 / tp``, one it leaves whole all of it, and each collective its bytes over
@@ -49,17 +55,26 @@ def rank_costs(compiled: Compiled, tp: int, given: GivenPlan | None = None) -> M
     table, _ = tensor_costs(
         compiled.plan.graph_module, compiled.traced.example_values, costs, tp,
         bandwidth=DEFAULT_TP_BANDWIDTH, seconds=seconds, given=given,
+        sequence_parallel=sequence_parallel,
     )  # fmt: skip
     return MeasuredCost({name: c.cost * seconds for name, c in table.nodes.items()})
 
 
 def plan_tensor_parallel(
-    plan: PipelinePlan, values: Sequence[Any], tp: int, given: GivenPlan | None = None
+    plan: PipelinePlan,
+    values: Sequence[Any],
+    tp: int,
+    given: GivenPlan | None = None,
+    sequence_parallel: SequenceChoice = "auto",
 ) -> TensorPlan:
     """The tensor-parallel plan of the pipeline's whole graph over ``tp`` ranks, no cut
     value crossing a stage border (``values``: one per placeholder, one micro-batch's);
-    only the cuts ``given`` names, where the user gave a plan."""
-    return tensor_plan(plan.graph_module, tp, values, stage_of=plan.stage_of, given=given)
+    only the cuts ``given`` names, where the user gave a plan; values cut along the
+    sequence as ``sequence_parallel`` says (gathered whole at a stage's output)."""
+    return tensor_plan(
+        plan.graph_module, tp, values, stage_of=plan.stage_of, given=given,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
 
 
 def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
@@ -77,6 +92,8 @@ def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
         node_styles=mine(plan.node_styles),
         node_weights=mine(plan.node_weights),
         replicated=mine(plan.replicated),
+        sequence=mine(plan.sequence),
+        sequence_gathers=mine(plan.sequence_gathers),
     )
 
 

@@ -280,6 +280,5 @@ class Assembly:
                     name,
                     "replicated",
                     None,
-                    f"read by {', '.join(kinds)} (a norm or element-wise parameter); "
-                    "sequence parallelism is not done",
+                    f"read by {', '.join(kinds)} (a norm or element-wise parameter)",
                 )

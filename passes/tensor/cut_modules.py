@@ -7,10 +7,22 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from fxpipe.passes.tensor.records import NodeStyle, Shard
 
-__all__ = ["Cut", "CutLinear", "CutInOut", "CutEmbedding", "CutModule", "cut_of"]
+__all__ = [
+    "Cut",
+    "CutLinear",
+    "CutInOut",
+    "CutEmbedding",
+    "CutModule",
+    "SequenceEntry",
+    "cut_of",
+    "gathered",
+    "local",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +35,9 @@ class Cut:
     #: The plan's cut of the weight and of the bias (None: whole on every rank).
     weight: Shard | None
     bias: Shard | None
+    #: The sequence dimension a row-wise product or an embedding reduce-scatters its sums
+    #: along (its output a DTensor cut along it); None: all-reduced.
+    sequence: int | None = None
 
 
 class CutLinear(nn.Linear):
@@ -78,3 +93,40 @@ def cut_of(module: nn.Module) -> Cut | None:
     if isinstance(module, (CutLinear, CutInOut, CutEmbedding)):
         return module.cut
     return None
+
+
+class SequenceEntry(nn.Module):
+    """Where a whole value (a position table, a norm's weight, a value from another stage)
+    meets values cut along the sequence: it enters as a DTensor replicated over the tp mesh
+    (torch slices it where it meets a cut value, without communicating; its gradient is
+    summed over the ranks). Anything not a tensor passes as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The tp mesh, set when the program is cut over it.
+        self.mesh: DeviceMesh | None = None
+
+    def forward(self, x: object) -> object:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return x
+        if self.mesh is None:
+            raise RuntimeError(
+                "a local program with sequence-parallel values runs on the tp ranks: cut it "
+                "over the tp mesh first (parallelize_program)"
+            )
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+
+
+def gathered(x: object) -> object:
+    """A value cut along the sequence, all-gathered for the readers outside its region: a
+    DTensor replicated over the tp mesh, which column-wise products read as it is (their
+    gradients, partial sums, are reduce-scattered back along the sequence); anything else
+    passes as it is."""
+    if isinstance(x, DTensor):
+        return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+    return x
+
+
+def local(x: object) -> object:
+    """A gathered value as a plain tensor, for a reader that is not a product."""
+    return x.to_local() if isinstance(x, DTensor) else x

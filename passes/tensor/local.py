@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -15,9 +15,18 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.passes.ops import is_check, op_name
-from fxpipe.passes.tensor.cut_modules import Cut, CutEmbedding, CutInOut, CutLinear
+from fxpipe.passes.tensor.cut_modules import (
+    Cut,
+    CutEmbedding,
+    CutInOut,
+    CutLinear,
+    SequenceEntry,
+    gathered,
+    local,
+)
 from fxpipe.passes.tensor.products import Embedding, Product, find_embeddings, find_products
 from fxpipe.passes.tensor.records import Shard, TensorPlan
+from fxpipe.passes.tensor.sequence import NORM_MODULES, whole_readers
 
 __all__ = ["local_program", "cut_sizes", "whole_shape"]
 
@@ -44,6 +53,8 @@ def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
     off a cut value (``x.shape``, ``x.size(d)``, ``numel``) reads the whole size, as the
     graph was written for; an assertion on a cut value is dropped. Every other node runs as
     it was, on the rank's pieces and whole values. Node metadata keeps the whole shapes.
+    The values the plan holds cut along the sequence (``plan.sequence``) are DTensors
+    (:func:`_on_sequence`).
     """
     nodes = {n.name: n for n in gm.graph.nodes}
     missing = sorted(set(plan.node_styles) - set(nodes))
@@ -62,6 +73,7 @@ def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
     pending = _call_modules(gm, graph, plan)
     _drop_dead_reads(gm, graph, [m for m, _ in pending.values()])
     installed = _place_modules(graph, pending)
+    installed.update(_on_sequence(gm, graph, plan, installed))
     graph.lint()
     root: dict[str, Any] = {}
     for n in graph.nodes:
@@ -223,9 +235,11 @@ def _whole(graph: fx.Graph, n: fx.Node, x: fx.Node, dim: int, tp: int, item: Any
 
 
 def _drop_checks_of_cut_values(graph: fx.Graph, plan: TensorPlan) -> None:
-    """An assertion recorded on a cut value states its whole sizes; the rank holds a piece."""
+    """An assertion recorded on a cut value states its whole sizes; the rank holds a piece
+    (or, cut along the sequence, a DTensor, which torch's checks do not take)."""
+    cut = {*plan.layouts, *plan.sequence}
     for n in list(graph.nodes):
-        if is_check(n) and not n.users and any(a.name in plan.layouts for a in n.all_input_nodes):
+        if is_check(n) and not n.users and any(a.name in cut for a in n.all_input_nodes):
             graph.erase_node(n)
 
 
@@ -291,7 +305,8 @@ def _linear(gm: fx.GraphModule, p: Product, plan: TensorPlan, style: Any) -> nn.
     bias = None if p.bias is None else _parameter(gm, p.bias)
     w_cut = plan.params[p.weight].shard
     b_cut = None if p.bias is None else plan.params[p.bias].shard
-    cut = Cut(p.node, style, w_cut, b_cut)
+    sequence = plan.sequence.get(p.node) if style == "rowwise" else None
+    cut = Cut(p.node, style, w_cut, b_cut, sequence)
     if w_cut is not None and weight.shape[w_cut.dim] % (w_cut.blocks * plan.tp):
         raise ConfigError(
             f"{p.weight} has {weight.shape[w_cut.dim]} rows along dim {w_cut.dim}, which "
@@ -317,9 +332,8 @@ def _embedding(gm: fx.GraphModule, n: fx.Node, e: Embedding, plan: TensorPlan) -
             f"{e.weight} has {weight.shape[0]} rows, which tp={plan.tp} does not divide; plan "
             "with a tp that divides the vocabulary"
         )
-    return CutEmbedding(
-        weight, padding_idx, Cut(n.name, "vocab", plan.params[e.weight].shard, None)
-    )
+    cut = Cut(n.name, "vocab", plan.params[e.weight].shard, None, plan.sequence.get(n.name))
+    return CutEmbedding(weight, padding_idx, cut)
 
 
 def _embedding_options(gm: fx.GraphModule, n: fx.Node) -> tuple[int | None, dict[str, Any]]:
@@ -380,3 +394,71 @@ def _drop_dead_reads(gm: fx.GraphModule, graph: fx.Graph, modules: list[nn.Modul
                 f"{n.target} is cut by the tensor-parallel plan but {readers} also read it "
                 "whole; plan this graph itself (tensor_plan leaves such a weight whole)"
             )
+
+
+# ------------------------------------------------------------------------------- sequence
+
+
+def _on_sequence(
+    gm: fx.GraphModule, graph: fx.Graph, plan: TensorPlan, installed: Mapping[str, nn.Module]
+) -> dict[str, nn.Module]:
+    """Run the values ``plan`` cuts along the sequence as DTensors: the row-wise products
+    and embeddings that start a region give theirs cut (their style says so), a whole
+    value a region op reads enters through a :class:`SequenceEntry` call (one per value),
+    a torch norm module there runs as its function (its weights entering alike), and a
+    reader outside the regions (but a column-wise product's input and size queries)
+    reads the value :func:`whole`. The generated modules, by path."""
+    cut = {n.name for n in graph.nodes if n.name in plan.sequence and n.op != "placeholder"}
+    if not cut:
+        return {}
+    path = next(p for p in ("_sequence_entry", "_sequence_entry_") if p not in installed)
+    for n in list(graph.nodes):
+        if n.name in cut and n.op == "call_module" and str(n.target) not in installed:
+            if isinstance(gm.get_submodule(str(n.target)), NORM_MODULES):
+                _norm_as_function(gm, graph, n)
+    entries: dict[str, fx.Node] = {}
+    for n in list(graph.nodes):
+        if n.name not in cut or n.name in plan.node_styles:
+            continue
+        for a in n.all_input_nodes:
+            if a.name in cut:
+                continue
+            if a.name not in entries:
+                with graph.inserting_before(n):
+                    entries[a.name] = graph.call_module(path, (a,))
+            n.replace_input_with(a, entries[a.name])
+    by_name = {n.name: n for n in graph.nodes}
+    for value, readers in whole_readers(graph, dict.fromkeys(cut, 1)).items():
+        source = by_name[value]
+        with graph.inserting_after(source):
+            replicated = graph.call_function(gathered, (source,))
+        plain: fx.Node | None = None
+        for reader in (by_name[r] for r in readers):
+            if reader.name in plan.node_styles:  # a column-wise product reads the DTensor
+                reader.replace_input_with(source, replicated)
+                continue
+            if plain is None:
+                with graph.inserting_after(replicated):
+                    plain = graph.call_function(local, (replicated,))
+            reader.replace_input_with(source, plain)
+    return {path: SequenceEntry()}
+
+
+def _norm_as_function(gm: fx.GraphModule, graph: fx.Graph, n: fx.Node) -> None:
+    """A call of a torch norm module, made in place (the node keeps its name) a call of its
+    function on its weights read by ``get_attr`` (so that they can enter a region as
+    DTensors)."""
+    module = gm.get_submodule(str(n.target))
+    assert isinstance(module, (nn.LayerNorm, nn.RMSNorm)), module
+    with graph.inserting_before(n):
+        weight = graph.get_attr(f"{n.target}.weight") if module.weight is not None else None
+        args: Any
+        if isinstance(module, nn.LayerNorm):
+            bias = graph.get_attr(f"{n.target}.bias") if module.bias is not None else None
+            args = (n.args[0], tuple(module.normalized_shape), weight, bias, module.eps)
+            n.target = torch.nn.functional.layer_norm
+        else:
+            args = (n.args[0], tuple(module.normalized_shape), weight, module.eps)
+            n.target = torch.nn.functional.rms_norm
+        n.args = args
+    n.op, n.kwargs = "call_function", {}

@@ -12,14 +12,17 @@ again. Where a group's row-wise product is the column product of a later group, 
 group keeps it. A fused q, k, v product is tried cut in three parts when whole pieces do not
 fit. Then an LM head (the last product before the output) is cut by vocabulary with its
 logits all-gathered, an embedding indexed by the model's input ids is cut by rows (a tied
-head and embedding alike), and every other parameter (norms; sequence parallelism is not
-done) is whole on every rank. A plan the user gives (:mod:`fxpipe.passes.tensor.given`)
-limits the search to the cuts it names, and each of them must hold.
+head and embedding alike), and every other parameter (norms) is whole on every rank.
+Between a row-wise product and the next column-wise one, the values may be held cut along
+the sequence (:mod:`fxpipe.passes.tensor.sequence`: sequence parallelism, where a region
+holds a norm). A plan the user gives (:mod:`fxpipe.passes.tensor.given`) limits the search
+to the cuts it names, and each of them must hold; it takes no sequence parallelism.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch.fx as fx
@@ -29,8 +32,9 @@ from fxpipe.passes.tensor.assembly import Assembly
 from fxpipe.passes.tensor.cuts import Rules
 from fxpipe.passes.tensor.given import GivenPlan, check_given
 from fxpipe.passes.tensor.products import find_embeddings, find_products, param_readers
-from fxpipe.passes.tensor.records import TensorPlan
+from fxpipe.passes.tensor.records import ParamShard, TensorPlan
 from fxpipe.passes.tensor.search import Search
+from fxpipe.passes.tensor.sequence import SequenceChoice, SequenceRegions, sequence_regions
 from fxpipe.passes.tensor.values import node_shapes
 
 __all__ = ["tensor_plan"]
@@ -43,12 +47,16 @@ def tensor_plan(
     *,
     stage_of: Mapping[str, int] | None = None,
     given: GivenPlan | None = None,
+    sequence_parallel: SequenceChoice = "auto",
 ) -> TensorPlan:
     """How ``gm`` runs over ``tp`` ranks. ``example_values``: one value per placeholder
     (shapes are read from a run on fake tensors). ``stage_of``: node name -> stage, where
     the graph is a pipeline's whole graph; no cut value then crosses a stage border.
     ``given``: the user's plan (:func:`fxpipe.passes.tensor.given.given_plan`): only the
-    cuts it names are made, and ConfigError names one it names that cannot be."""
+    cuts it names are made, and ConfigError names one it names that cannot be.
+    ``sequence_parallel``: hold the values between row-wise and column-wise products cut
+    along the sequence where a region holds a norm (``"auto"``), wherever it can (True), or
+    nowhere (False); a given plan takes none."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r} must be a positive int: the ranks of the 'tp' dimension")
     rules = Rules(gm, tp, node_shapes(gm, example_values))
@@ -67,4 +75,24 @@ def tensor_plan(
             made[name] = (e.weight, True, plan.node_styles.get(name, "whole"), why)
         assert search.allowed_of is not None
         check_given(given, gm, made, search.allowed_of)
-    return plan
+        return plan
+    regions = sequence_regions(
+        gm, rules, plan.layouts, plan.node_styles, plan.stage_of, sequence_parallel
+    )
+    return _with_sequence(plan, regions)
+
+
+def _with_sequence(plan: TensorPlan, regions: SequenceRegions) -> TensorPlan:
+    """``plan`` holding ``regions`` cut along the sequence; a parameter only they read says
+    so."""
+    if not regions.dims:
+        return replace(plan, sequence_declined=regions.declined)
+    params = dict(plan.params)
+    for name, p in plan.params.items():
+        if p.style == "replicated" and p.readers and all(r in regions.dims for r in p.readers):
+            why = "whole; read on each rank's share of the sequence (sequence parallel)"
+            params[name] = ParamShard(p.name, p.style, None, why, p.shape, p.product, p.readers)
+    return replace(
+        plan, params=params, sequence=dict(regions.dims), sequence_gathers=dict(regions.gathers),
+        sequence_declined=regions.declined,
+    )  # fmt: skip

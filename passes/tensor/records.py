@@ -127,6 +127,14 @@ class TensorPlan:
     replicated: Mapping[str, str]
     #: Node name -> stage index, where the plan was made for a pipeline's stages.
     stage_of: Mapping[str, int] = field(default_factory=dict)
+    #: Node name -> the dimension its output is cut along, for every value held cut along
+    #: the sequence (sequence parallelism, :mod:`fxpipe.passes.tensor.sequence`); the
+    #: row-wise products and embeddings among them reduce-scatter instead of all-reducing.
+    sequence: Mapping[str, int] = field(default_factory=dict)
+    #: Sequence-cut value -> the nodes that read it whole (it is all-gathered once first).
+    sequence_gathers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Why the regions that could be cut along the sequence are not, one line each.
+    sequence_declined: tuple[str, ...] = ()
 
     def block_fractions(self) -> dict[str, float]:
         """Decoder block (``model.layers.0``) -> the fraction of its matrix products'
@@ -158,6 +166,7 @@ class TensorPlan:
             if len(stages) > 1:
                 lines.append(f"stage {j}")
             lines += ["  " + self._group_line(g) for g in self.groups if self._stage(g) == j]
+            lines += ["  " + line for line in self._sequence_lines(j)]
             lines += ["  " + line for line in self._whole_lines(j)]
         fractions = self.block_fractions()
         if fractions:
@@ -174,6 +183,8 @@ class TensorPlan:
             p = self.params[g.params[0]]
             vocab = p.shape[0]
             what = "lookups all-reduced" if g.kind == "embedding" else "logits all-gathered"
+            if g.kind == "embedding" and g.rows and g.rows[0] in self.sequence:
+                what = "lookups reduce-scattered along the sequence"
             kind = "embedding" if g.kind == "embedding" else "lm head"
             each = vocab // self.tp
             return f"{kind:<10} {p.name}: {vocab} vocabulary rows -> {each} per rank, {what}"
@@ -194,10 +205,35 @@ class TensorPlan:
             counts = ", ".join(str(h) for h in g.heads)
             shares = ", ".join(str(h // self.tp) for h in g.heads)
             heads = f"; heads {counts} -> {shares} per rank"
+        reduced = "reduce-scatter" if all(r in self.sequence for r in g.rows) else "all-reduce"
         return (
             f"{g.kind:<10} {prefix or '(root)'}: colwise {', '.join(columns)} -> rowwise "
-            f"{', '.join(rows)} + all-reduce{heads}"
+            f"{', '.join(rows)} + {reduced}{heads}"
         )
+
+    def _sequence_lines(self, stage: int) -> list[str]:
+        """What ``stage`` holds cut along the sequence, in one line."""
+        mine = [n for n in self.sequence if self.stage_of.get(n, 0) == stage]
+        if not mine:
+            declined = self.sequence_declined if stage == self.stages()[0] else ()
+            return [
+                textwrap.fill(
+                    f"{'sequence':<10} not cut: {why}", width=_WIDTH, subsequent_indent=" " * 13
+                )
+                for why in declined
+            ]
+        scattered = [n for n in mine if n in self.node_styles]
+        gathered = [n for n in self.sequence_gathers if self.stage_of.get(n, 0) == stage]
+        dims = sorted({self.sequence[n] for n in mine})
+        text = (
+            f"{'sequence':<10} {len(mine)} values between row-wise and column-wise products "
+            f"cut along dim {', '.join(map(str, dims))} (the sequence): {len(scattered)} "
+            f"reduce-scatters ({', '.join(scattered)}) in place of all-reduces, "
+            f"{len(gathered)} all-gathers ({', '.join(gathered)})"
+        )
+        return [
+            textwrap.fill(text, width=_WIDTH, subsequent_indent=" " * 13, break_on_hyphens=False)
+        ]
 
     def _whole_lines(self, stage: int) -> list[str]:
         """The parameters of ``stage`` left whole, one line per reason."""

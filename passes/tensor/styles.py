@@ -45,15 +45,26 @@ def style_of(module: nn.Module) -> ParallelStyle:
     cut = cut_of(module)
     if cut is None:
         raise TypeError(f"{type(module).__name__} is not a module a local program generates")
+    # a value cut along the sequence: a row-wise sum reduce-scattered along it, kept a
+    # DTensor (the region runs on DTensors); a column-wise input all-gathered from it
+    sequence = None if cut.sequence is None else Shard(cut.sequence)
     if isinstance(module, CutEmbedding):
+        if sequence is not None:
+            return RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=sequence, use_local_output=False
+            )
         return RowwiseParallel(input_layouts=Replicate())
     plain = isinstance(module, CutLinear) and (cut.weight is None or cut.weight.blocks == 1)
     if cut.style == "rowwise":
+        if sequence is not None:
+            if plain:
+                return RowwiseParallel(output_layouts=sequence, use_local_output=False)
+            return PlacedRowwise(cut, output_layouts=sequence)
         return RowwiseParallel() if plain else PlacedRowwise(cut)
     gathered = Replicate() if cut.style == "gathered" else None
     if plain:
-        return ColwiseParallel(output_layouts=gathered)
-    return PlacedColwise(cut, output_layouts=gathered)
+        return ColwiseParallel(input_layouts=sequence, output_layouts=gathered)
+    return PlacedColwise(cut, input_layouts=sequence, output_layouts=gathered)
 
 
 def _place(
@@ -68,8 +79,14 @@ class PlacedColwise(ColwiseParallel):
     """``ColwiseParallel`` with the weight and bias placed as the plan cuts them; the output
     stays as cut, the rank's own output features (or gathered whole, for an LM head)."""
 
-    def __init__(self, cut: Cut, *, output_layouts: Placement | None = None) -> None:
-        super().__init__(output_layouts=output_layouts)
+    def __init__(
+        self,
+        cut: Cut,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+    ) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts)
         self.placements = {"weight": placement_of(cut.weight), "bias": placement_of(cut.bias)}
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -91,10 +108,14 @@ class PlacedColwise(ColwiseParallel):
 
 class PlacedRowwise(RowwiseParallel):
     """``RowwiseParallel`` with the weight placed as the plan cuts it (its bias whole, added
-    once to the all-reduced sum)."""
+    once to the all-reduced sum); with ``output_layouts`` a ``Shard`` of the sequence, the
+    sum is reduce-scattered along it and left a DTensor."""
 
-    def __init__(self, cut: Cut) -> None:
-        super().__init__()
+    def __init__(self, cut: Cut, *, output_layouts: Placement | None = None) -> None:
+        if output_layouts is None:
+            super().__init__()
+        else:
+            super().__init__(output_layouts=output_layouts, use_local_output=False)
         self.placements = {"weight": placement_of(cut.weight), "bias": Replicate()}
         self.desired_input_layouts = (Shard(-1),)
 

@@ -68,6 +68,14 @@ def torch_plan(plan: TensorPlan, model: nn.Module) -> TorchPlan:
         for weight, paths in modules_of.items()
         if len(paths) > 1
     )
+    if plan.sequence:
+        notes += (
+            f"the plan holds {len(plan.sequence)} values between row-wise and column-wise "
+            "products cut along the sequence; these styles leave them whole (fxpipe runs a "
+            "given plan without sequence parallelism; in torch's form it is SequenceParallel() "
+            "on each norm module with the row-wise outputs and column-wise inputs laid out "
+            "Shard(1))",
+        )
     return TorchPlan(styles, missing, notes)
 
 

@@ -6,6 +6,7 @@ under the model's own tensor-parallel plan, written out again from the plan here
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import pytest
 import torch
@@ -42,25 +43,31 @@ def _priced(heads: int = 4) -> layout_estimate.Priced:
     )
 
 
-def test_a_ranks_costs_are_cut_where_the_plan_cuts() -> None:
+@pytest.mark.parametrize("sequence", [False, "auto"])
+def test_a_ranks_costs_are_cut_where_the_plan_cuts(sequence: Any) -> None:
     """Every cut node costs 1 / tp, plus its collectives (ring all-reduce of a row-wise
     output forward and back, of a vocabulary lookup forward; the head's logits gathered and
-    its input's gradient all-reduced) over the bandwidth; a cut Parameter is held 1 / tp."""
+    its input's gradient all-reduced) over the bandwidth; a cut Parameter is held 1 / tp.
+    Under sequence parallelism the norms and adds between are cut too, a row-wise output is
+    reduce-scattered forward and all-gathered back (half the ring), and each value gathered
+    from a region is all-gathered forward and reduce-scattered back."""
     priced, tp = _priced(), 2
     gm = priced.traced.graph_module
     costs, plan = tensor_costs(gm, priced.traced.example_values, priced.costs, tp,
-                               bandwidth=BANDWIDTH, seconds=1e-12)  # fmt: skip
+                               bandwidth=BANDWIDTH, seconds=1e-12,
+                               sequence_parallel=sequence)  # fmt: skip
     assert plan.groups and set(plan.node_styles.values()) >= {"colwise", "rowwise"}
+    assert bool(plan.sequence) == (sequence == "auto")  # the toy's regions hold norms
     ring = 2 * (tp - 1) / tp
     nodes = {n.name: n for n in gm.graph.nodes}
     for name, before in priced.costs.nodes.items():
         after = costs.nodes[name]
-        cut = name in plan.layouts or name in plan.node_styles
+        cut = name in plan.layouts or name in plan.node_styles or name in plan.sequence
         share = before.cost / tp if cut else before.cost
         style = plan.node_styles.get(name)
-        moved = 0.0
+        moved = ring * before.output_bytes if name in plan.sequence_gathers else 0.0
         if style == "rowwise":
-            moved = 2 * ring * before.output_bytes
+            moved = (1 if name in plan.sequence else 2) * ring * before.output_bytes
         elif style == "vocab":
             moved = ring * before.output_bytes
         elif style == "gathered":

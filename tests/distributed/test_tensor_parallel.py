@@ -248,10 +248,12 @@ def _hf_pipelined(
         loss = _hf_loss(reference(mine), wanted)  # this replica's
     _hf_loss(reference(ids), target).backward()
     expected = dict(reference.named_parameters(remove_duplicate=False))
+    assert pipe.tensor_plan is not None
     return {
         "loss": (float(sum(losses)) if losses else None, loss.item()),
         "grads": {k: (g, expected[k].grad / dp) for k, g in grads.items()},
         "cut": sorted(k for k, p in pipe.named_parameters() if is_dtensor(p)),
+        "sequence": len(pipe.tensor_plan.sequence),
     }
 
 
@@ -268,10 +270,63 @@ def test_transformers_models_pipelined_and_cut_equal_eager(
     names = ["gpt2", "llama", "qwen2"]
     per_rank = results(launch(_hf_cases, world, tmp_path, names=names, dp=dp,
                               data_parallel=data_parallel))  # fmt: skip
-    for runs in zip(*per_rank, strict=True):
+    for name, runs in zip(names, zip(*per_rank, strict=True), strict=True):
         _hf_equal(list(runs), dp)
         assert all(r["cut"] for r in runs)  # each stage holds DTensors
         assert len({k for r in runs for k in r["grads"]}) >= 2 * 7  # every block's products
+        # Llama's and Qwen2's norms run cut along the sequence; GPT-2's flattened tokens
+        # would gather more than they scatter, so its plan declines it
+        assert all((r["sequence"] > 0) == (name != "gpt2") for r in runs), name
+
+
+def _hf_lengths(rank: int, world: int, *, lengths: list[int]) -> list[dict[str, Any]]:
+    """Llama on a (world / 2) x 1 x 2 mesh, its norms cut along the sequence, one GPipe step
+    per length (padded batches of varying, odd lengths: uneven shares of the tokens); each
+    step's loss and gradients beside eager's on the same batch."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.passes.tensor.test_plan import MODELS, VOCAB
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = MODELS["llama"]()
+        batches = [
+            (torch.randint(0, VOCAB, (4, n)), torch.randint(0, VOCAB, (4, n))) for n in lengths
+        ]
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pipe = fd.pipeline_schedule(
+        model, (batches[0][0],), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False,
+        mesh=mesh, schedule="gpipe", tensor_parallel="auto",
+    )  # fmt: skip
+    assert pipe.tensor_plan is not None and pipe.tensor_plan.sequence
+    out = []
+    for ids, target in batches:
+        for p in pipe.parameters():
+            p.grad = None
+        reference.zero_grad()
+        losses = step(pipe, (ids,), {}, target)
+        pipe.sync_tied_gradients()
+        grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
+        loss = _hf_loss(reference(ids), target)
+        loss.backward()
+        expected = dict(reference.named_parameters(remove_duplicate=False))
+        out.append({
+            "loss": (float(sum(losses)) if losses else None, loss.item()),
+            "grads": {k: (g, expected[k].grad.clone()) for k, g in grads.items()},
+        })  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["1x1x2", "2x1x2"])
+def test_steps_of_varying_odd_lengths_cut_along_the_sequence_equal_eager(
+    tmp_path: Path, world: int
+) -> None:
+    per_rank = results(launch(_hf_lengths, world, tmp_path, lengths=[7, 5, 8]))
+    for runs in zip(*per_rank, strict=True):
+        _hf_equal(list(runs), 1)
 
 
 def _hf_cases(rank: int, world: int, *, names: list[str], **options: Any) -> list[dict[str, Any]]:

@@ -79,9 +79,11 @@ def test_llama_key_value_heads_expanded_and_reshaped_are_halved() -> None:
 @pytest.mark.parametrize("name", ["toy", "gpt2", "llama"])
 def test_run_whole_the_local_program_computes_eagers_outputs_and_gradients(name: str) -> None:
     """The plan's cuts over one rank: every product a generated module, nothing divided; the
-    modules compute what the nodes they replace did (Conv1D's ``x @ W + b`` included)."""
+    modules compute what the nodes they replace did (Conv1D's ``x @ W + b`` included). (A
+    value cut along the sequence is a DTensor, which needs the ranks:
+    ``test_parallelize.py``.)"""
     p = planned(name)
-    one = dataclasses.replace(p.plan, tp=1)
+    one = dataclasses.replace(p.plan, tp=1, sequence={}, sequence_gathers={})
     local = local_program(p.gm, one)
     generated = [m for m in local.modules() if type(m) in (CutLinear, CutInOut, CutEmbedding)]
     assert len(generated) == len(p.plan.node_styles)  # one per cut node

@@ -39,21 +39,24 @@ class _Said(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _cut_stage(rank: int, world: int, *, name: str) -> dict[str, Any]:
-    """Model ``name`` in float64 traced, planned over the ranks and parallelized; its logits
-    and gradients (cut ones gathered whole) next to the eager model's."""
+def _cut_stage(
+    rank: int, world: int, *, name: str, sequence: Any = "auto", length: int = 8
+) -> dict[str, Any]:
+    """Model ``name`` in float64 traced, planned over the ranks (values cut along the
+    sequence as ``sequence`` says) and parallelized; its logits and gradients (cut ones
+    gathered whole) next to the eager model's, on ``length`` tokens."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = MODELS[name]().double()
-        ids = torch.randint(0, VOCAB, (2, 8))
+        ids = torch.randint(0, VOCAB, (2, length))
     ids[:, 0] = torch.tensor([0, VOCAB // 2])  # row 0 of each rank's half of the vocabulary
     reference = copy.deepcopy(model)
     traced = trace(model, (ids,))
     gm, example = traced.graph_module, tuple(traced.example_values)
-    plan = tensor_plan(gm, world, example)
+    plan = tensor_plan(gm, world, example, sequence_parallel=sequence)
     said = _Said()
     logging.getLogger("fxpipe").addHandler(said)
     logging.getLogger("fxpipe").setLevel(logging.INFO)
@@ -91,6 +94,7 @@ def _cut_stage(rank: int, world: int, *, name: str) -> dict[str, Any]:
         "tied": holders,
         "said": said.lines,
         "replicated": dict(plan.replicated),
+        "sequence": len(plan.sequence),
         "untouched": all(not isinstance(p, DTensor) for p in gm.parameters()),
     }
 
@@ -101,8 +105,8 @@ def _first_dtensor(stage: torch.nn.Module) -> Any:
     return next(p for p in stage.parameters() if isinstance(p, DTensor))
 
 
-def _run(name: str, tmp_path: Path) -> list[dict[str, Any]]:
-    runs = results(launch(_cut_stage, 2, tmp_path, name=name))
+def _run(name: str, tmp_path: Path, **options: Any) -> list[dict[str, Any]]:
+    runs = results(launch(_cut_stage, 2, tmp_path, name=name, **options))
     for res in runs:
         assert res["untouched"], "the traced graph's own parameters were cut"
         assert not res["misplaced"]  # each gradient placed as its Parameter
@@ -178,6 +182,21 @@ def test_a_head_count_tp_does_not_divide_runs_its_attention_whole_and_says_so(
     }
     said = [line for line in res["said"] if "blocks_0_attn_qkv runs whole" in line]
     assert len(said) == 1 and "does not divide by tp=2" in said[0], res["said"]
+
+
+@pytest.mark.parametrize(
+    ("name", "sequence", "length"),
+    [("llama", "auto", 7), ("toy", "auto", 5), ("gpt2", True, 7), ("odd_heads", True, 8),
+     ("toy", False, 8)],
+)  # fmt: skip
+def test_values_cut_along_the_sequence_equal_eager(
+    tmp_path: Path, name: str, sequence: Any, length: int
+) -> None:
+    """Norms, adds and dropouts on each rank's share of the tokens (an odd count: shares of
+    4 and 3, of 3 and 2), where it pays and where it is forced (GPT-2's flattened tokens, a
+    whole attention), and with none: outputs and every gradient equal eager's."""
+    res = _run(name, tmp_path, sequence=sequence, length=length)[0]
+    assert (res["sequence"] > 0) == (sequence is not False)
 
 
 # ------------------------------------------------------------------------------ refusals

@@ -211,7 +211,7 @@ def test_the_printed_plan_names_each_group() -> None:
     text = planned("llama").plan.summary()
     assert (
         "attention  model.layers.0.self_attn: colwise q_proj, k_proj, v_proj -> rowwise o_proj"
-        " + all-reduce; heads 4, 2 -> 2, 1 per rank"
+        " + reduce-scatter; heads 4, 2 -> 2, 1 per rank"
     ) in text
     assert "mlp        model.layers.1.mlp: colwise gate_proj, up_proj -> rowwise down_proj" in text
     assert "lm head    lm_head.weight: 128 vocabulary rows -> 64 per rank" in text

@@ -5,6 +5,7 @@ eager's logits and gradients."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,11 @@ preload(__name__)
 def test_llama_gets_a_style_for_every_linear_and_its_embedding() -> None:
     p = planned("llama")
     plan = torch_plan(p.plan, p.model)
-    assert not plan.missing and not plan.notes
+    assert not plan.missing
+    # its norms are cut along the sequence, which these styles leave whole, and say so
+    assert len(plan.notes) == 1 and "cut along the sequence" in plan.notes[0]
+    without = dataclasses.replace(p.plan, sequence={}, sequence_gathers={})
+    assert not torch_plan(without, p.model).notes
     kinds = {path: type(style) for path, style in plan.styles.items()}
     for layer in ("model.layers.0", "model.layers.1"):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
