@@ -150,13 +150,20 @@ def measure(
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def rank_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of a benchmark of one tp rank's program: --out, --device, --model, --tp
+    (a list), --repeats."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", default="mid", choices=sorted(SHAPES))
     parser.add_argument("--tp", default="2,4,8")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = rank_arguments(__doc__.splitlines()[0], repeats=10)
     parser.add_argument("--compile", action="store_true", help="both through torch.compile")
     a = parser.parse_args(argv)
     device = torch.device(a.device)
