@@ -76,8 +76,6 @@ class SequenceRegions:
     dims: Mapping[str, int]
     #: Region value -> the nodes that read it whole (it is all-gathered once for them).
     gathers: Mapping[str, tuple[str, ...]]
-    #: The norm nodes that run on the cut values.
-    norms: tuple[str, ...]
     #: Why each region found is not cut, one line each.
     declined: tuple[str, ...] = ()
 
@@ -96,15 +94,14 @@ def sequence_regions(
     if choice not in SEQUENCE_CHOICES or not isinstance(choice, (bool, str)):
         raise ConfigError(
             f"sequence_parallel={choice!r} is not one of {SEQUENCE_CHOICES}; pass 'auto' "
-            "(where a region holds a norm), True (every region) or False (none)"
+            "(where it pays), True (every region found) or False (none)"
         )
     if choice is False or rules.tp == 1:
-        why = "sequence_parallel=False" if choice is False else "tp=1"
-        return SequenceRegions({}, {}, (), (why,) if choice is False else ())
+        return SequenceRegions({}, {}, ("sequence_parallel=False",) if choice is False else ())
     finder = _Finder(gm, rules, layouts, node_styles, stage_of)
     dims = finder.regions(paying=choice == "auto")
     gathers = whole_readers(gm.graph, dims, stage_of)
-    return SequenceRegions(dims, gathers, finder.norms(dims), tuple(finder.declined))
+    return SequenceRegions(dims, gathers, tuple(finder.declined))
 
 
 def whole_readers(
@@ -201,9 +198,6 @@ class _Finder:
             "replaces (sequence_parallel=True cuts it still)"
         )
         return False
-
-    def norms(self, dims: Mapping[str, int]) -> tuple[str, ...]:
-        return tuple(name for name in dims if self._is_norm(self.nodes[name]))
 
     # ------------------------------------------------------------------------- rules
 
