@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import time
 import traceback
@@ -235,25 +234,14 @@ def train_cases(
 # ---------------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _entry(
     rank: int, world: int, port: int, out: str, job: Callable[..., Any], options: dict[str, Any]
 ) -> None:
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"
     timeout = datetime.timedelta(seconds=options.pop("pg_timeout", 60))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-    )
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         result = {"ok": job(rank, world, **options)}
     except BaseException as e:
@@ -284,7 +272,11 @@ def preload(module: str) -> None:
 def launch(job: Callable[..., Any], world: int, tmp: Path, **options: Any) -> list[Any]:
     """Run ``job`` on ``world`` ranks; (exit code, saved result or None) per rank."""
     ctx = _CONTEXT
-    port = _free_port()
+    # the launcher holds the ranks' store, on a port the system picks as it binds it: no
+    # port is chosen, let go and bound again, which tests run side by side (pytest -n) race
+    # for
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = master.port
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, str(tmp), job, options), daemon=True)
         for r in range(world)
@@ -299,6 +291,7 @@ def launch(job: Callable[..., Any], world: int, tmp: Path, **options: Any) -> li
         if p.is_alive():
             p.kill()
             p.join()
+    del master  # the ranks are gone
     if hung:
         pytest.fail(f"rank(s) {hung} still running after {TIME_LIMIT:.0f} s; killed")
     files = [tmp / f"rank{r}.pt" for r in range(world)]
