@@ -94,6 +94,7 @@ def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
         replicated=mine(plan.replicated),
         sequence=mine(plan.sequence),
         sequence_gathers=mine(plan.sequence_gathers),
+        unflattened=mine(plan.unflattened),
     )
 
 

@@ -411,6 +411,7 @@ def _on_sequence(
     cut = {n.name for n in graph.nodes if n.name in plan.sequence and n.op != "placeholder"}
     if not cut:
         return {}
+    _unflatten(graph, plan)
     path = next(p for p in ("_sequence_entry", "_sequence_entry_") if p not in installed)
     for n in list(graph.nodes):
         if n.name in cut and n.op == "call_module" and str(n.target) not in installed:
@@ -442,6 +443,22 @@ def _on_sequence(
                     plain = graph.call_function(local, (replicated,))
             reader.replace_input_with(source, plain)
     return {path: SequenceEntry()}
+
+
+def _unflatten(graph: fx.Graph, plan: TensorPlan) -> None:
+    """A product that reads the tokens flattened and starts or ends a region reads them
+    unflattened (its flattening view, now unread, goes): its output, or the value it
+    gathers, is then laid out by sequence (the view after it restores the same sizes)."""
+    nodes = {n.name: n for n in graph.nodes}
+    for name, source in plan.unflattened.items():
+        product = nodes.get(name)
+        if product is None or source not in nodes:
+            continue
+        flat = product.args[0]
+        assert isinstance(flat, fx.Node), product.format_node()
+        product.replace_input_with(flat, nodes[source])
+        if not flat.users:
+            graph.erase_node(flat)
 
 
 def _norm_as_function(gm: fx.GraphModule, graph: fx.Graph, n: fx.Node) -> None:

@@ -34,7 +34,13 @@ from fxpipe.passes.tensor.given import GivenPlan, check_given
 from fxpipe.passes.tensor.products import find_embeddings, find_products, param_readers
 from fxpipe.passes.tensor.records import ParamShard, TensorPlan
 from fxpipe.passes.tensor.search import Search
-from fxpipe.passes.tensor.sequence import SequenceChoice, SequenceRegions, sequence_regions
+from fxpipe.passes.tensor.sequence import (
+    Flattened,
+    SequenceChoice,
+    SequenceRegions,
+    flattened_products,
+    sequence_regions,
+)
 from fxpipe.passes.tensor.values import node_shapes
 
 __all__ = ["tensor_plan"]
@@ -76,13 +82,16 @@ def tensor_plan(
         assert search.allowed_of is not None
         check_given(given, gm, made, search.allowed_of)
         return plan
+    flattened = flattened_products(gm, rules, {name: p.x for name, p in products.items()})
     regions = sequence_regions(
-        gm, rules, plan.layouts, plan.node_styles, plan.stage_of, sequence_parallel
+        gm, rules, plan.layouts, plan.node_styles, plan.stage_of, sequence_parallel, flattened
     )
-    return _with_sequence(plan, regions)
+    return _with_sequence(plan, regions, flattened)
 
 
-def _with_sequence(plan: TensorPlan, regions: SequenceRegions) -> TensorPlan:
+def _with_sequence(
+    plan: TensorPlan, regions: SequenceRegions, flattened: Mapping[str, Flattened]
+) -> TensorPlan:
     """``plan`` holding ``regions`` cut along the sequence; a parameter only they read says
     so."""
     if not regions.dims:
@@ -92,7 +101,12 @@ def _with_sequence(plan: TensorPlan, regions: SequenceRegions) -> TensorPlan:
         if p.style == "replicated" and p.readers and all(r in regions.dims for r in p.readers):
             why = "whole; read on each rank's share of the sequence (sequence parallel)"
             params[name] = ParamShard(p.name, p.style, None, why, p.shape, p.product, p.readers)
+    unflattened = {
+        name: f.source
+        for name, f in flattened.items()
+        if name in regions.dims or (f.source in regions.dims and name in plan.node_styles)
+    }
     return replace(
         plan, params=params, sequence=dict(regions.dims), sequence_gathers=dict(regions.gathers),
-        sequence_declined=regions.declined,
+        sequence_declined=regions.declined, unflattened=unflattened,
     )  # fmt: skip

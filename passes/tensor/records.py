@@ -135,6 +135,10 @@ class TensorPlan:
     sequence_gathers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: Why the regions that could be cut along the sequence are not, one line each.
     sequence_declined: tuple[str, ...] = ()
+    #: Product node -> the value it reads unflattened where it reads the tokens flattened
+    #: (transformers' ``Conv1D``) and starts or ends a region: its flattening view is then
+    #: skipped, so that its output or input is laid out by sequence.
+    unflattened: Mapping[str, str] = field(default_factory=dict)
 
     def block_fractions(self) -> dict[str, float]:
         """Decoder block (``model.layers.0``) -> the fraction of its matrix products'

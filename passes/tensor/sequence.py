@@ -6,7 +6,9 @@ the tokens and their activations take ``1 / tp`` of the memory.
 A region starts at the output of a row-wise product or a vocabulary-parallel embedding
 (reduce-scattered along the sequence instead of all-reduced) and follows the ops that
 compute each token from the same token alone (element-wise ops, casts, norms and
-reductions over the features, views that keep the batch and sequence dimensions). A value
+reductions over the features, views that keep the batch and sequence dimensions); a
+product that reads the tokens flattened (transformers' ``Conv1D``) is taken as reading
+them unflattened, which its local program then does (:class:`Flattened`). A value
 read outside it (by column-wise products, by anything else, by another stage) is
 all-gathered once for all its readers. A reduce-scatter and an all-gather cost the
 all-reduce they replace, so a region that gathers no more values than it scatters costs no
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -50,6 +53,8 @@ __all__ = [
     "SequenceRegions",
     "sequence_regions",
     "whole_readers",
+    "flattened_products",
+    "Flattened",
     "NORM_MODULES",
 ]
 
@@ -65,6 +70,20 @@ METADATA = frozenset("shape dtype device ndim is_cuda requires_grad layout".spli
 _NORM_OPS = NORMS | {"rsqrt"}
 #: The dimension of a region value that holds the sequence: (batch, sequence, ...).
 _SEQ_DIM = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Flattened:
+    """A product that reads the tokens flattened (transformers' ``Conv1D``: ``x.view(-1,
+    nx)``, the product, then a view back to ``(batch, sequence, features)``): run on the
+    unflattened ``source`` it computes the same, its output laid out by sequence."""
+
+    #: The view that flattens the tokens, the value it flattens, the view that restores them.
+    flat: str
+    source: str
+    unflat: str
+    #: The product's output sizes unflattened.
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +106,13 @@ def sequence_regions(
     node_styles: Mapping[str, NodeStyle],
     stage_of: Mapping[str, int],
     choice: SequenceChoice,
+    flattened: Mapping[str, Flattened] | None = None,
 ) -> SequenceRegions:
     """The sequence-parallel regions of ``gm`` under a plan that cuts values by features as
     ``layouts`` says and whose products compute as ``node_styles`` says; ``stage_of``: node
-    -> stage, where the graph is a pipeline's (a region stays in its stage)."""
+    -> stage, where the graph is a pipeline's (a region stays in its stage);
+    ``flattened``: the products that read the tokens flattened (a row-wise one among them
+    starts a region as if it read them unflattened)."""
     if choice not in SEQUENCE_CHOICES or not isinstance(choice, (bool, str)):
         raise ConfigError(
             f"sequence_parallel={choice!r} is not one of {SEQUENCE_CHOICES}; pass 'auto' "
@@ -98,7 +120,7 @@ def sequence_regions(
         )
     if choice is False or rules.tp == 1:
         return SequenceRegions({}, {}, ("sequence_parallel=False",) if choice is False else ())
-    finder = _Finder(gm, rules, layouts, node_styles, stage_of)
+    finder = _Finder(gm, rules, layouts, node_styles, stage_of, flattened)
     dims = finder.regions(paying=choice == "auto")
     gathers = whole_readers(gm.graph, dims, stage_of)
     return SequenceRegions(dims, gathers, tuple(finder.declined))
@@ -127,6 +149,38 @@ def whole_readers(
     return out
 
 
+def flattened_products(
+    gm: fx.GraphModule, rules: Rules, products_x: Mapping[str, str]
+) -> dict[str, Flattened]:
+    """Product node -> how it reads the tokens flattened, for every product whose input is
+    a view of a (batch, sequence, features) value as (batch x sequence, features) and whose
+    only reader is a view back to (batch, sequence, its features)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out: dict[str, Flattened] = {}
+    for name, x in products_x.items():
+        flat, product = nodes[x], nodes[name]
+        if base_name(op_name(flat)) not in ("view", "reshape", "_unsafe_view"):
+            continue
+        source = flat.args[0] if flat.args else None
+        users = list(product.users)
+        if not isinstance(source, fx.Node) or len(users) != 1 or len(flat.users) != 1:
+            continue
+        unflat = users[0]
+        if base_name(op_name(unflat)) not in ("view", "reshape", "_unsafe_view"):
+            continue
+        whole, flat_size = rules.size(source), rules.size(flat)
+        out_size, back = rules.size(product), rules.size(unflat)
+        if whole is None or flat_size is None or out_size is None or back is None:
+            continue
+        tokens = tuple(whole[:-1])
+        if len(whole) != 3 or tuple(flat_size) != (tokens[0] * tokens[1], whole[-1]):
+            continue
+        if len(out_size) != 2 or tuple(back) != (*tokens, out_size[-1]):
+            continue
+        out[name] = Flattened(flat.name, source.name, unflat.name, tuple(back))
+    return out
+
+
 def reads_metadata(n: fx.Node) -> bool:
     """Whether ``n`` reads only what a tensor is (its sizes, dtype, device), not what it
     holds."""
@@ -143,9 +197,16 @@ class _Finder:
         layouts: Mapping[str, Layout],
         node_styles: Mapping[str, NodeStyle],
         stage_of: Mapping[str, int],
+        flattened: Mapping[str, Flattened] | None,
     ) -> None:
         self.gm, self.rules, self.layouts, self.styles = gm, rules, layouts, node_styles
         self.stage_of = stage_of
+        #: A row-wise product reading the tokens flattened: its output unflattened.
+        self.unflat = {
+            name: torch.Size(f.shape)
+            for name, f in (flattened or {}).items()
+            if node_styles.get(name) == "rowwise"
+        }
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.declined: list[str] = []
 
@@ -201,9 +262,13 @@ class _Finder:
 
     # ------------------------------------------------------------------------- rules
 
+    def _size(self, n: fx.Node) -> torch.Size | None:
+        """``n``'s output sizes (a row-wise product's unflattened)."""
+        return self.unflat.get(n.name) or self.rules.size(n)
+
     def _cuttable(self, n: fx.Node) -> bool:
         """Whether ``n``'s output is (batch, sequence, ...) with a sequence to cut."""
-        size = self.rules.size(n)
+        size = self._size(n)
         return size is not None and len(size) > _SEQ_DIM + 1 and size[_SEQ_DIM] > 1
 
     def _same_stage(self, a: fx.Node, b: fx.Node) -> bool:
@@ -219,10 +284,10 @@ class _Finder:
             return False
         if any(a.name in self.layouts for a in n.all_input_nodes):
             return False  # a value cut by features meets it
-        out = self.rules.size(n)
+        out = self._size(n)
         assert out is not None
         for a in inputs:
-            size = self.rules.size(a)
+            size = self._size(a)
             if size is None or len(size) != len(out) or size[_SEQ_DIM] != out[_SEQ_DIM]:
                 return False
             if size[:_SEQ_DIM] != out[:_SEQ_DIM]:
@@ -236,7 +301,7 @@ class _Finder:
         if name in VIEWS:
             return name not in ("flatten", "unflatten", "squeeze", "unsqueeze")
         if name in REDUCTIONS:
-            return self._over_features(n, len(self.rules.size(inputs[0]) or ()))
+            return self._over_features(n, len(self._size(inputs[0]) or ()))
         return False
 
     def _over_features(self, n: fx.Node, ndim: int) -> bool:

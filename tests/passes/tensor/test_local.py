@@ -56,10 +56,15 @@ def test_the_toy_heads_are_halved_and_its_products_are_modules_of_its_own_parame
 
 def test_gpt2_fused_width_and_split_are_halved_and_conv1d_is_a_module() -> None:
     p = planned("gpt2")
+    whole = dataclasses.replace(p.plan, sequence={}, sequence_gathers={}, unflattened={})
+    assert _node(local_program(p.gm, whole), "view_6").args[1] == [-1, 32]  # c_proj's input
+    # cut along the sequence, the Conv1D products read the tokens unflattened: the view that
+    # flattened c_proj's input is gone, and it reads the (batch, tokens, 32) value itself
     local = local_program(p.gm, p.plan)
+    assert not [n for n in local.graph.nodes if n.name == "view_6"]
+    assert p.plan.unflattened["addmm_1"] == _node(p.gm, "view_6").args[0].name  # type: ignore[union-attr]
     assert _node(local, "view_2").args[1][2] == 96  # (b, t, 3 * 64) -> 3 * 32 per rank
     assert _node(local, "split").args[1:] == (32, 2)  # q, k, v of 64 features -> 32
-    assert _node(local, "view_6").args[1] == [-1, 32]  # the row-wise product's input
     c_fc = local.get_submodule("transformer.h.0.mlp.c_fc")
     assert type(c_fc) is CutInOut and c_fc.cut.weight == Shard(1)  # stored (in, out)
     assert c_fc.bias is p.gm.get_parameter("transformer.h.0.mlp.c_fc.bias")

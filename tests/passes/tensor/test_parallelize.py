@@ -186,15 +186,16 @@ def test_a_head_count_tp_does_not_divide_runs_its_attention_whole_and_says_so(
 
 @pytest.mark.parametrize(
     ("name", "sequence", "length"),
-    [("llama", "auto", 7), ("toy", "auto", 5), ("gpt2", True, 7), ("odd_heads", True, 8),
+    [("llama", "auto", 7), ("toy", "auto", 5), ("gpt2", "auto", 7), ("odd_heads", True, 8),
      ("toy", False, 8)],
 )  # fmt: skip
 def test_values_cut_along_the_sequence_equal_eager(
     tmp_path: Path, name: str, sequence: Any, length: int
 ) -> None:
     """Norms, adds and dropouts on each rank's share of the tokens (an odd count: shares of
-    4 and 3, of 3 and 2), where it pays and where it is forced (GPT-2's flattened tokens, a
-    whole attention), and with none: outputs and every gradient equal eager's."""
+    4 and 3, of 3 and 2), where it pays (GPT-2's Conv1D products reading the tokens
+    unflattened), where it is forced (a whole attention), and with none: outputs and every
+    gradient equal eager's."""
     res = _run(name, tmp_path, sequence=sequence, length=length)[0]
     assert (res["sequence"] > 0) == (sequence is not False)
 

@@ -1,8 +1,9 @@
 """Sequence parallelism as the planner finds it: on Llama every norm, residual add and cast
 between a row-wise product and the next column-wise ones is held cut along the sequence,
 the row-wise products and the embedding reduce-scatter, and each norm's output is gathered
-once for the products that read it; GPT-2 (whose Conv1D products read the tokens flattened)
-and a whole attention decline it under ``"auto"`` with the reason, and are cut under True;
+once for the products that read it; GPT-2's Conv1D products, which read the tokens
+flattened, read them unflattened to do the same; a whole attention declines it under
+``"auto"`` with the reason, and is cut under True;
 a region stays in its stage; the local program runs the regions as DTensors (entries,
 gathers, a norm module as its function). The numbers (equal to eager) are in
 ``test_parallelize.py`` and ``tests/distributed/test_tensor_parallel.py``."""
@@ -75,14 +76,32 @@ def test_sequence_parallel_false_cuts_nothing_along_the_sequence_and_says_so() -
     assert "sequence   not cut: sequence_parallel=False" in text
 
 
-@pytest.mark.parametrize("name", ["gpt2", "odd_heads"])
+def test_gpt2s_conv1d_products_read_the_tokens_unflattened_to_start_and_end_regions() -> None:
+    """GPT-2's Conv1D products read the tokens flattened, (batch x sequence, features), and
+    view their output back: the row-wise ones reduce-scatter as if they read them
+    unflattened, and each region value a column-wise one reads is gathered once for it."""
+    gm, plan = _plan("gpt2", "auto")
+    nodes = _nodes(gm)
+    rows = [n for n, s in plan.node_styles.items() if s == "rowwise"]
+    columns = [n for n, s in plan.node_styles.items() if s == "colwise"]
+    assert len(rows) == len(columns) == 2 * 2
+    assert all(op_name(nodes[n]) == "addmm" for n in rows + columns)
+    assert set(rows) <= set(plan.sequence)
+    assert set(plan.unflattened) == set(rows + columns)  # each skips its flattening view
+    for product, source in plan.unflattened.items():
+        flat = nodes[product].args[1]  # addmm(bias, x.view(-1, nx), weight)
+        assert isinstance(flat, fx.Node) and flat.args[0] is nodes[source]
+    assert len(plan.sequence_gathers) == 2 * 2 + 1  # ln_1, ln_2 of each block and ln_f
+    assert "rowwise c_proj + reduce-scatter" in plan.summary()
+
+
+@pytest.mark.parametrize("name", ["odd_heads"])
 def test_a_region_that_would_gather_more_than_it_scatters_is_declined_unless_asked(
     name: str,
 ) -> None:
-    """GPT-2's Conv1D products flatten the tokens (their outputs are not (batch, sequence,
-    features)), and a whole attention reads its norm's output whole: a region there
-    gathers more values than it reduce-scatters, so ``"auto"`` declines it, with the
-    counts; True cuts it."""
+    """A whole attention (a head count tp does not divide) reads its norm's output whole: a
+    region there gathers more values than it reduce-scatters, so ``"auto"`` declines it,
+    with the counts; True cuts it."""
     _, plan = _plan(name, "auto")
     assert not plan.sequence
     assert any("would all-gather" in why for why in plan.sequence_declined)

@@ -50,10 +50,11 @@ def test_gpt2_conv1d_and_fused_qkv_have_no_torch_style() -> None:
     fc = plan.missing["transformer.h.0.mlp.c_fc.weight"]
     assert "(Conv1D) (its weight stored (in, out)), not an nn.Linear" in fc
     assert "cut in 3 parts" in plan.missing["transformer.h.1.attn.c_attn.weight"]
-    assert plan.notes == (
+    assert plan.notes[0] == (
         "transformer.wte and lm_head share lm_head.weight: parallelize_module gives each its "
-        "own parameter; tie them again after it (each is cut along dim 0)",
+        "own parameter; tie them again after it (each is cut along dim 0)"
     )
+    assert len(plan.notes) == 2 and "cut along the sequence" in plan.notes[1]
 
 
 def test_a_group_with_one_inexpressible_member_is_left_out_whole() -> None:
