@@ -403,11 +403,13 @@ def _on_sequence(
     gm: fx.GraphModule, graph: fx.Graph, plan: TensorPlan, installed: Mapping[str, nn.Module]
 ) -> dict[str, nn.Module]:
     """Run the values ``plan`` cuts along the sequence as DTensors: the row-wise products
-    and embeddings that start a region give theirs cut (their style says so), a whole
-    value a region op reads enters through a :class:`SequenceEntry` call (one per value),
-    a torch norm module there runs as its function (its weights entering alike), and a
-    reader outside the regions (but a column-wise product's input and size queries)
-    reads the value :func:`whole`. The generated modules, by path."""
+    and embeddings that start a region give theirs cut (their style says so; one that
+    reads the tokens flattened reads them unflattened), a whole value a region op reads
+    enters through a :class:`SequenceEntry` call (one per value), a torch norm module there
+    runs as its function (its weights entering alike), and a value read outside the
+    regions is all-gathered once (:func:`gathered`): column-wise products read the
+    replicated DTensor, anything else its :func:`local` tensor (size queries read the cut
+    DTensor, whose sizes are the whole value's). The generated modules, by path."""
     cut = {n.name for n in graph.nodes if n.name in plan.sequence and n.op != "placeholder"}
     if not cut:
         return {}
