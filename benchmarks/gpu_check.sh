@@ -5,7 +5,8 @@
 # the compiled-stages benchmark on the GPU (python -m benchmarks.compile --device cuda, one
 # run per model, in COMPILE_MODE if set) and its numerical agreement in three precisions
 # (python -m benchmarks.compile_agreement), one tensor-parallel rank's share of a Llama-7B
-# stage (python -m benchmarks.tensor_rank), the automatic configuration against its grid
+# stage (python -m benchmarks.tensor_rank, and what sequence parallelism saves it:
+# benchmarks.sequence_parallel), the automatic configuration against its grid
 # where AUTOCONFIG_MODELS names models, then the whole suite with CUDA visible (on several
 # workers when pytest-xdist is installed). Logs and JSON go to $OUT (default
 # /tmp/fxpipe-gpu); a short summary is printed last. SKIP_CUDA_TESTS, SKIP_BENCH,
@@ -82,6 +83,10 @@ if [ -z "${SKIP_TENSOR:-}" ]; then  # one tensor-parallel rank's compute, a Llam
     TAIL=10 step tensor_rank_compiled "${TENSOR_S:-120}" sh -c 'cd "$1" && shift && exec "$@"' \
         sh "$BENCH_DIR" "$PY" -m benchmarks.tensor_rank --device cuda --model llama-7b \
         --compile --out "$OUT/tensor_rank_cuda_compiled.json"
+    # what sequence parallelism saves a rank of that stage (bf16: its casts are real copies)
+    TAIL=10 step sequence_parallel "${TENSOR_S:-120}" sh -c 'cd "$1" && shift && exec "$@"' \
+        sh "$BENCH_DIR" "$PY" -m benchmarks.sequence_parallel --device cuda --model llama-7b \
+        --repeats 5 --out "$OUT/sequence_parallel_cuda.json"
 fi
 if [ -n "${AUTOCONFIG_MODELS:-}" ]; then  # the automatic configuration against its grid
     TAIL=20 step autoconfig "${AUTOCONFIG_S:-200}" sh -c 'cd "$1" && shift && exec "$@"' sh \
