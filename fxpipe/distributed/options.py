@@ -31,7 +31,7 @@ from fxpipe.options import (
     check_slack,
 )
 from fxpipe.passes.tensor.given import GivenPlan, given_plan
-from fxpipe.passes.tensor.sequence import SEQUENCE_CHOICES, SequenceChoice
+from fxpipe.passes.tensor.sequence import SequenceChoice, check_sequence_choice
 
 __all__ = [
     "ScheduleOptions",
@@ -259,11 +259,7 @@ def _check_tensor_parallel(value: object) -> None:
 def _check_sequence_parallel(value: object, tensor_parallel: object) -> None:
     """ConfigError unless ``value`` is one of :data:`SEQUENCE_CHOICES`, and True only where
     fxpipe plans the tensor parallelism."""
-    if value not in SEQUENCE_CHOICES or not isinstance(value, (bool, str)):
-        raise ConfigError(
-            f"sequence_parallel={value!r} is not one of {SEQUENCE_CHOICES}; pass 'auto' "
-            "(where it pays), True (wherever it can) or False (nowhere)"
-        )
+    check_sequence_choice(value)
     if value is True and tensor_parallel != "auto":
         raise ConfigError(
             f"sequence_parallel=True with tensor_parallel={tensor_parallel!r}: sequence "

@@ -431,7 +431,7 @@ def _on_sequence(
                     entries[a.name] = graph.call_module(path, (a,))
             n.replace_input_with(a, entries[a.name])
     by_name = {n.name: n for n in graph.nodes}
-    for value, readers in whole_readers(graph, dict.fromkeys(cut, 1)).items():
+    for value, readers in whole_readers(graph, cut).items():
         source = by_name[value]
         with graph.inserting_after(source):
             replicated = graph.call_function(gathered, (source,))

@@ -23,7 +23,7 @@ gradients; fxpipe only chooses where it starts and ends."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -52,6 +52,7 @@ __all__ = [
     "SEQUENCE_CHOICES",
     "SequenceRegions",
     "sequence_regions",
+    "check_sequence_choice",
     "whole_readers",
     "flattened_products",
     "Flattened",
@@ -113,11 +114,7 @@ def sequence_regions(
     -> stage, where the graph is a pipeline's (a region stays in its stage);
     ``flattened``: the products that read the tokens flattened (a row-wise one among them
     starts a region as if it read them unflattened)."""
-    if choice not in SEQUENCE_CHOICES or not isinstance(choice, (bool, str)):
-        raise ConfigError(
-            f"sequence_parallel={choice!r} is not one of {SEQUENCE_CHOICES}; pass 'auto' "
-            "(where it pays), True (every region found) or False (none)"
-        )
+    check_sequence_choice(choice)
     if choice is False or rules.tp == 1:
         return SequenceRegions({}, {}, ("sequence_parallel=False",) if choice is False else ())
     finder = _Finder(gm, rules, layouts, node_styles, stage_of, flattened)
@@ -126,10 +123,21 @@ def sequence_regions(
     return SequenceRegions(dims, gathers, tuple(finder.declined))
 
 
+def check_sequence_choice(value: object) -> None:
+    """ConfigError unless ``value`` is one of :data:`SEQUENCE_CHOICES` (not a 1 or 0 that
+    compares equal to True or False)."""
+    if value not in SEQUENCE_CHOICES or not isinstance(value, (bool, str)):
+        raise ConfigError(
+            f"sequence_parallel={value!r} is not one of {SEQUENCE_CHOICES}; pass 'auto' "
+            "(where it pays), True (every region found) or False (none)"
+        )
+
+
 def whole_readers(
-    graph: fx.Graph, dims: Mapping[str, int], stage_of: Mapping[str, int] | None = None
+    graph: fx.Graph, dims: Collection[str], stage_of: Mapping[str, int] | None = None
 ) -> dict[str, tuple[str, ...]]:
-    """Region value (of ``dims``) -> the nodes that read it whole, all-gathered once for
+    """Region value (of ``dims``, the names of the values cut along the sequence) -> the
+    nodes that read it whole, all-gathered once for
     them: every reader outside the regions (or in another stage), but for size and dtype
     queries and checks, which read what the value is, not what it holds."""
     stages = stage_of or {}
@@ -250,7 +258,7 @@ class _Finder:
         if not any(self._is_norm(self.nodes[x]) for x in names):
             self.declined.append(f"{region} holds no norm")
             return False
-        gathers = whole_readers(self.gm.graph, dict.fromkeys(names, _SEQ_DIM), self.stage_of)
+        gathers = whole_readers(self.gm.graph, set(names), self.stage_of)
         if len(gathers) <= len(scattered) + 1:
             return True
         self.declined.append(
