@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,10 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from benchmarks.harness.machine import device_record
-from benchmarks.harness.output import command_line, format_table, result_path, save_json
+from benchmarks.harness.output import format_table
 from benchmarks.harness.timing import time_interleaved
-from benchmarks.tensor_rank import _model, _step, rank_arguments
+from benchmarks.tensor_rank import _model, _step, rank_arguments, rank_device, save_rows
 from fxpipe.distributed.layout_tensor import tensor_costs
 from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.passes.tensor.parallelize import parallelize_stage
@@ -125,9 +123,7 @@ def measure(name: str, tps: list[int], repeats: int, device: torch.device) -> li
 
 def main(argv: list[str] | None = None) -> int:
     a = rank_arguments(__doc__.splitlines()[0], repeats=7).parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    device = rank_device(a.device)
     rows = measure(a.model, [int(t) for t in a.tp.split(",")], a.repeats, device)
     columns = [
         ("model", lambda r: r["model"]),
@@ -141,10 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         ("time on/off", lambda r: f"{r['time_ratio']:.3f}"),
     ]
     print(format_table(rows, columns, left=1))
-    name = "sequence_parallel" if device.type == "cpu" else f"sequence_parallel_{device.type}"
-    meta = {"command": command_line(), **device_record(device)}
-    out = Path(a.out) if a.out else result_path(name)
-    return save_json(out, {"meta": meta, "rows": rows})
+    return save_rows("sequence_parallel", device, a.out, rows)
 
 
 if __name__ == "__main__":

@@ -162,13 +162,31 @@ def rank_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
     return parser
 
 
+def rank_device(name: str) -> torch.device:
+    """The device a rank benchmark runs on (one torch thread on a CPU)."""
+    device = torch.device(name)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    return device
+
+
+def save_rows(
+    base: str, device: torch.device, out: str | None, rows: list[Any], suffix: str = ""
+) -> int:
+    """Write ``rows`` with the command and the machine to ``out``, or to
+    ``benchmarks/results/`` as ``BASE.json`` (``BASE_cuda.json`` on a GPU), ``suffix``
+    ending the name."""
+    device_part = "" if device.type == "cpu" else f"_{device.type}"
+    meta = {"command": command_line(), **device_record(device)}
+    path = Path(out) if out else result_path(base + device_part + suffix)
+    return save_json(path, {"meta": meta, "rows": rows})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = rank_arguments(__doc__.splitlines()[0], repeats=10)
     parser.add_argument("--compile", action="store_true", help="both through torch.compile")
     a = parser.parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    device = rank_device(a.device)
     rows = measure(a.model, [int(t) for t in a.tp.split(",")], a.repeats, device, a.compile)
     columns = [
         ("model", lambda r: r["model"]),
@@ -183,14 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, columns, left=1))
     for r in rows:
         print(f"tp={r['tp']}: {r['plan']}")
-    name = "tensor_rank" if device.type == "cpu" else f"tensor_rank_{device.type}"
-    name += "_compiled" if a.compile else ""
-    meta = {
-        "command": command_line(),
-        **device_record(device),
-    }
-    out = Path(a.out) if a.out else result_path(name)
-    return save_json(out, {"meta": meta, "rows": rows})
+    return save_rows("tensor_rank", device, a.out, rows, "_compiled" if a.compile else "")
 
 
 if __name__ == "__main__":
