@@ -71,11 +71,11 @@ def tensor_costs(
         style = plan.node_styles.get(name)
         waited = 0.0  # bytes of collectives this node waits for, forward and backward
         if name in plan.sequence_gathers:  # all-gathered, its gradient reduce-scattered
-            waited = ring * c.output_bytes
-        if style == "rowwise":
-            waited = (1 if name in plan.sequence else 2) * ring * c.output_bytes
+            waited += ring * c.output_bytes
+        if style == "rowwise":  # and the region it starts gathered too, where it is read whole
+            waited += (1 if name in plan.sequence else 2) * ring * c.output_bytes
         elif style == "vocab":
-            waited = ring * c.output_bytes
+            waited += ring * c.output_bytes
         elif style == "gathered":
             inputs = nodes[name].all_input_nodes
             grad = costs.nodes[inputs[0].name].output_bytes if inputs else 0

@@ -67,9 +67,9 @@ def test_a_ranks_costs_are_cut_where_the_plan_cuts(sequence: Any) -> None:
         style = plan.node_styles.get(name)
         moved = ring * before.output_bytes if name in plan.sequence_gathers else 0.0
         if style == "rowwise":
-            moved = (1 if name in plan.sequence else 2) * ring * before.output_bytes
+            moved += (1 if name in plan.sequence else 2) * ring * before.output_bytes
         elif style == "vocab":
-            moved = ring * before.output_bytes
+            moved += ring * before.output_bytes
         elif style == "gathered":
             hidden = priced.costs.nodes[nodes[name].all_input_nodes[0].name].output_bytes
             moved = (tp - 1) / tp * before.output_bytes + ring * hidden
