@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from fxpipe.errors import ConfigError
 from fxpipe.passes.tensor.records import NodeStyle, Shard
 
 __all__ = [
@@ -110,9 +111,10 @@ class SequenceEntry(nn.Module):
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return x
         if self.mesh is None:
-            raise RuntimeError(
-                "a local program with sequence-parallel values runs on the tp ranks: cut it "
-                "over the tp mesh first (parallelize_program)"
+            raise ConfigError(
+                "a local program with values cut along the sequence runs on the tp ranks: "
+                "cut it over the tp mesh first (parallelize_program), or plan with "
+                "sequence_parallel=False to run it without one"
             )
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
 

@@ -170,3 +170,12 @@ def test_a_sequence_choice_not_known_is_refused_naming_it(value: Any) -> None:
 def test_sequence_parallel_true_needs_fxpipes_own_plan() -> None:
     with pytest.raises(ConfigError, match="sequence_parallel=True with tensor_parallel=None"):
         ScheduleOptions(n_microbatches=2, sequence_parallel=True)
+
+
+def test_a_local_program_with_sequence_cut_values_run_without_its_mesh_is_refused() -> None:
+    """Its whole values cannot enter a region as DTensors without the tp mesh: said, with
+    the remedies, not run on plain tensors as if nothing were cut."""
+    p = planned("llama")
+    local = local_program(p.gm, p.plan)
+    with pytest.raises(ConfigError, match=r"cut it over the tp mesh first \(parallelize_program"):
+        local(*p.example)
