@@ -42,7 +42,13 @@ from models import ZOO, TinyGPT  # noqa: E402
 import fxpipe.distributed as fd  # noqa: E402
 from fxpipe.distributed.dtensors import full_tensor, is_dtensor  # noqa: E402
 
-TIME_LIMIT = 120.0  # seconds per test, all ranks together
+#: Seconds per launch, all ranks together: a hang detector. Eight ranks of three transformers
+#: models take about 130 s alone on a slow 2-core machine, longer beside other tests.
+TIME_LIMIT = 480.0
+#: Seconds a rank waits for its peers at a collective, unless a test sets pg_timeout (the
+#: failure tests do, to see a peer's error quickly): a rank compiling its stage, or one
+#: starved of the cores, may keep the others waiting for more than a minute.
+PG_TIMEOUT = 240.0
 BATCH, N_MB = 8, 4
 
 Problem = tuple[Callable[[], nn.Module], tuple[Any, ...], dict[str, Any], Callable[..., Any], Any]
@@ -239,7 +245,7 @@ def _entry(
 ) -> None:
     torch.set_num_threads(1)
     path = Path(out) / f"rank{rank}.pt"
-    timeout = datetime.timedelta(seconds=options.pop("pg_timeout", 60))
+    timeout = datetime.timedelta(seconds=options.pop("pg_timeout", PG_TIMEOUT))
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
