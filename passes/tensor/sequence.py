@@ -71,6 +71,8 @@ METADATA = frozenset("shape dtype device ndim is_cuda requires_grad layout".spli
 _NORM_OPS = NORMS | {"rsqrt"}
 #: The dimension of a region value that holds the sequence: (batch, sequence, ...).
 _SEQ_DIM = 1
+#: The ops a product that reads the tokens flattened flattens and restores them with.
+_RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +139,9 @@ def whole_readers(
     graph: fx.Graph, dims: Collection[str], stage_of: Mapping[str, int] | None = None
 ) -> dict[str, tuple[str, ...]]:
     """Region value (of ``dims``, the names of the values cut along the sequence) -> the
-    nodes that read it whole, all-gathered once for
-    them: every reader outside the regions (or in another stage), but for size and dtype
-    queries and checks, which read what the value is, not what it holds."""
+    nodes that read it whole, all-gathered once for them: every reader outside the regions
+    (or in another stage), but for size and dtype queries and checks, which read what the
+    value is, not what it holds."""
     stages = stage_of or {}
     out: dict[str, tuple[str, ...]] = {}
     for n in graph.nodes:
@@ -167,14 +169,14 @@ def flattened_products(
     out: dict[str, Flattened] = {}
     for name, x in products_x.items():
         flat, product = nodes[x], nodes[name]
-        if base_name(op_name(flat)) not in ("view", "reshape", "_unsafe_view"):
+        if base_name(op_name(flat)) not in _RESHAPES:
             continue
         source = flat.args[0] if flat.args else None
         users = list(product.users)
         if not isinstance(source, fx.Node) or len(users) != 1 or len(flat.users) != 1:
             continue
         unflat = users[0]
-        if base_name(op_name(unflat)) not in ("view", "reshape", "_unsafe_view"):
+        if base_name(op_name(unflat)) not in _RESHAPES:
             continue
         whole, flat_size = rules.size(source), rules.size(flat)
         out_size, back = rules.size(product), rules.size(unflat)
