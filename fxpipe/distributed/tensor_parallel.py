@@ -86,6 +86,8 @@ def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
     def mine(table: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in table.items() if k in names}
 
+    reads = {v: tuple(r for r in rs if r in names) for v, rs in plan.partial_reads.items()}
+
     return replace(
         plan,
         layouts=mine(plan.layouts),
@@ -95,6 +97,8 @@ def stage_plan(plan: TensorPlan, gm: fx.GraphModule) -> TensorPlan:
         sequence=mine(plan.sequence),
         sequence_gathers=mine(plan.sequence_gathers),
         unflattened=mine(plan.unflattened),
+        partial_reads={v: rs for v, rs in reads.items() if rs},
+        partial_modules=mine(plan.partial_modules),
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from fxpipe.errors import ConfigError
 from fxpipe.passes.tensor.records import NodeStyle, Shard
@@ -20,6 +20,7 @@ __all__ = [
     "CutEmbedding",
     "CutModule",
     "SequenceEntry",
+    "ReplicatedRead",
     "cut_of",
     "gathered",
     "local",
@@ -117,6 +118,35 @@ class SequenceEntry(nn.Module):
                 "sequence_parallel=False to run it without one"
             )
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+
+
+class ReplicatedRead(nn.Module):
+    """Where a whole value that carries a gradient (a per-head norm's weight, a scale) is read
+    by computations on values cut over the tp ranks: the value itself going forward, but read
+    as a DTensor replicated over the tp mesh whose gradient comes back partial (each rank's
+    from its own pieces), which torch's DTensor all-reduces, as its own styles do for a
+    replicated input (:mod:`fxpipe.passes.tensor.partial`). A value that needs no gradient
+    passes as it is."""
+
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.tp = tp
+        #: The tp mesh, set when the program is cut over it.
+        self.mesh: DeviceMesh | None = None
+
+    def forward(self, x: object) -> object:
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or self.tp == 1:
+            return x
+        if not x.requires_grad:
+            return x
+        if self.mesh is None:
+            raise ConfigError(
+                "a local program whose cut values read a whole value with a gradient runs on "
+                "the tp ranks, which sum that gradient: cut it over the tp mesh first "
+                "(parallelize_program)"
+            )
+        shared = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return shared.to_local(grad_placements=[Partial()])
 
 
 def gathered(x: object) -> object:

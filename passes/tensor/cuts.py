@@ -94,11 +94,13 @@ class Blocked:
 
 @dataclass(frozen=True)
 class Rules:
-    """What the rules read: the graph, tp and every node's output shape."""
+    """What the rules read: the graph, tp, every node's output shape, and which outputs
+    carry a gradient."""
 
     gm: fx.GraphModule
     tp: int
     shapes: Mapping[str, Shape]
+    grads: frozenset[str] = frozenset()
 
     def size(self, node: object) -> torch.Size | None:
         """The sizes of a tensor-valued node, else None."""

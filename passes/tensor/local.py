@@ -20,6 +20,7 @@ from fxpipe.passes.tensor.cut_modules import (
     CutEmbedding,
     CutInOut,
     CutLinear,
+    ReplicatedRead,
     SequenceEntry,
     gathered,
     local,
@@ -54,7 +55,9 @@ def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
     graph was written for; an assertion on a cut value is dropped. Every other node runs as
     it was, on the rank's pieces and whole values. Node metadata keeps the whole shapes.
     The values the plan holds cut along the sequence (``plan.sequence``) are DTensors
-    (:func:`_on_sequence`).
+    (:func:`_on_sequence`). A whole value with a gradient that a cut computation reads
+    (``plan.partial_reads``) is read there through a :class:`ReplicatedRead`, so that the
+    ranks' parts of its gradient are summed (:func:`_partial_reads`).
     """
     nodes = {n.name: n for n in gm.graph.nodes}
     missing = sorted(set(plan.node_styles) - set(nodes))
@@ -74,6 +77,7 @@ def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
     _drop_dead_reads(gm, graph, [m for m, _ in pending.values()])
     installed = _place_modules(graph, pending)
     installed.update(_on_sequence(gm, graph, plan, installed))
+    installed.update(_partial_reads(gm, graph, plan, installed))
     graph.lint()
     root: dict[str, Any] = {}
     for n in graph.nodes:
@@ -481,3 +485,46 @@ def _norm_as_function(gm: fx.GraphModule, graph: fx.Graph, n: fx.Node) -> None:
             n.target = torch.nn.functional.rms_norm
         n.args = args
     n.op, n.kwargs = "call_function", {}
+
+
+# ------------------------------------------------------------------------- partial reads
+
+
+def _partial_reads(
+    gm: fx.GraphModule, graph: fx.Graph, plan: TensorPlan, installed: Mapping[str, nn.Module]
+) -> dict[str, nn.Module]:
+    """Each whole value with a gradient that a cut node reads, read there through one
+    :class:`ReplicatedRead` call (placed before its first such reader); a norm module a cut
+    node calls runs as its function, its weights read alike. The generated module, by
+    path."""
+    nodes = {n.name: n for n in graph.nodes}
+    reads = {k: list(v) for k, v in plan.partial_reads.items()}
+    for name in plan.partial_modules:
+        n = nodes.get(name)
+        if n is None:
+            continue
+        module = gm.get_submodule(str(n.target))
+        if not isinstance(module, NORM_MODULES):
+            raise ConfigError(
+                f"{n.name} calls {n.target} ({type(module).__name__}) on values cut over the "
+                "tp ranks, and its own parameters would get each rank's part of their "
+                "gradient only; leave its products whole (a plan that does not cut them)"
+            )
+        _norm_as_function(gm, graph, n)
+        for weight in n.all_input_nodes:
+            if weight.op == "get_attr":
+                reads.setdefault(weight.name, []).append(n.name)
+    if not reads:
+        return {}
+    path = next(p for p in ("_replicated_read", "_replicated_read_") if p not in installed)
+    order = {n.name: k for k, n in enumerate(graph.nodes)}
+    nodes = {n.name: n for n in graph.nodes}
+    for value, readers in reads.items():
+        mine = sorted((nodes[r] for r in readers if r in nodes), key=lambda r: order[r.name])
+        if value not in nodes or not mine:
+            continue
+        with graph.inserting_before(mine[0]):
+            read = graph.call_module(path, (nodes[value],))
+        for reader in mine:
+            reader.replace_input_with(nodes[value], read)
+    return {path: ReplicatedRead(plan.tp)}

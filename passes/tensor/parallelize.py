@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from fxpipe.errors import ConfigError
-from fxpipe.passes.tensor.cut_modules import SequenceEntry, cut_of
+from fxpipe.passes.tensor.cut_modules import ReplicatedRead, SequenceEntry, cut_of
 from fxpipe.passes.tensor.local import local_program
 from fxpipe.passes.tensor.records import TensorPlan
 from fxpipe.passes.tensor.styles import style_of
@@ -64,8 +64,8 @@ def parallelize_program(local: fx.GraphModule, tp_mesh: DeviceMesh) -> dict[int,
     }
     shared = _holders(local)
     parallelize_module(local, tp_mesh, local_styles(local))
-    for m in local.modules():  # where whole values meet values cut along the sequence
-        if isinstance(m, SequenceEntry):
+    for m in local.modules():  # where whole values meet cut ones (along the sequence, or not)
+        if isinstance(m, (SequenceEntry, ReplicatedRead)):
             m.mesh = tp_mesh
     _tie_again(local, shared)
     for p in {id(p): p for p in local.parameters() if isinstance(p, DTensor)}.values():

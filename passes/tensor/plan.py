@@ -31,6 +31,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.passes.tensor.assembly import Assembly
 from fxpipe.passes.tensor.cuts import Rules
 from fxpipe.passes.tensor.given import GivenPlan, check_given
+from fxpipe.passes.tensor.partial import PARTIAL_REASON, params_behind, partial_reads
 from fxpipe.passes.tensor.products import find_embeddings, find_products, param_readers
 from fxpipe.passes.tensor.records import ParamShard, TensorPlan
 from fxpipe.passes.tensor.search import Search
@@ -41,7 +42,7 @@ from fxpipe.passes.tensor.sequence import (
     flattened_products,
     sequence_regions,
 )
-from fxpipe.passes.tensor.values import node_shapes
+from fxpipe.passes.tensor.values import node_values
 
 __all__ = ["tensor_plan"]
 
@@ -65,7 +66,8 @@ def tensor_plan(
     nowhere (False); a given plan takes none."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r} must be a positive int: the ranks of the 'tp' dimension")
-    rules = Rules(gm, tp, node_shapes(gm, example_values))
+    values = node_values(gm, example_values)
+    rules = Rules(gm, tp, values.shapes, values.grads)
     products, embeddings = find_products(gm), find_embeddings(gm)
     search = Search(gm, rules, products, param_readers(gm), dict(stage_of or {}), given)
     flow = search.run()
@@ -81,12 +83,27 @@ def tensor_plan(
             made[name] = (e.weight, True, plan.node_styles.get(name, "whole"), why)
         assert search.allowed_of is not None
         check_given(given, gm, made, search.allowed_of)
-        return plan
+        return _with_partial_reads(gm, rules, plan)
     flattened = flattened_products(gm, rules, {name: p.x for name, p in products.items()})
     regions = sequence_regions(
         gm, rules, plan.layouts, plan.node_styles, plan.stage_of, sequence_parallel, flattened
     )
-    return _with_sequence(plan, regions, flattened)
+    return _with_partial_reads(gm, rules, _with_sequence(plan, regions, flattened))
+
+
+def _with_partial_reads(gm: fx.GraphModule, rules: Rules, plan: TensorPlan) -> TensorPlan:
+    """``plan`` with the whole values its cut computations read whose gradients are summed
+    over the ranks; a parameter behind one says so."""
+    reads = partial_reads(gm, rules, plan.layouts, plan.node_styles, plan.sequence)
+    params = dict(plan.params)
+    for name in params_behind(gm, reads):
+        p = params.get(name)
+        if p is not None and p.style == "replicated":
+            params[name] = replace(p, reason=PARTIAL_REASON)
+    return replace(
+        plan, params=params, partial_reads=dict(reads.values),
+        partial_modules=dict(reads.modules),
+    )  # fmt: skip
 
 
 def _with_sequence(
@@ -110,3 +127,4 @@ def _with_sequence(
         plan, params=params, sequence=dict(regions.dims), sequence_gathers=dict(regions.gathers),
         sequence_declined=regions.declined, unflattened=unflattened,
     )  # fmt: skip
+

@@ -139,6 +139,12 @@ class TensorPlan:
     #: (transformers' ``Conv1D``) and starts or ends a region: its flattening view is then
     #: skipped, so that its output or input is laid out by sequence.
     unflattened: Mapping[str, str] = field(default_factory=dict)
+    #: Whole value with a gradient -> the cut nodes that read it: each rank's gradient
+    #: through those reads is a partial sum, summed over the tp ranks
+    #: (:mod:`fxpipe.passes.tensor.partial`).
+    partial_reads: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Cut node calling a norm module -> the module's parameters, read alike.
+    partial_modules: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def block_fractions(self) -> dict[str, float]:
         """Decoder block (``model.layers.0``) -> the fraction of its matrix products'
