@@ -444,7 +444,7 @@ def _compile_traced(
                 if key not in found:
                     found[key] = partition_graph(
                         g, k, slack=options.slack, traffic=options.traffic, speed=speed,
-                        memory=memory,
+                        memory=memory, together=options.together,
                     )  # fmt: skip
                 parts = found[key]
         return build_plan(

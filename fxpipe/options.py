@@ -85,6 +85,9 @@ class PlanOptions:
     #: sums per micro-batch (:mod:`fxpipe.passes.batch.reductions`); False refuses them, for
     #: runtimes that hand each micro-batch's output to a loss function of their own.
     reductions: bool = True
+    #: Groups of node names of the traced graph no stage border may split (the regions a
+    #: tensor-parallel plan cuts, which a border would leave whole); none by default.
+    together: tuple[frozenset[str], ...] = ()
 
     def __post_init__(self) -> None:
         check_cost(self.cost)
@@ -99,6 +102,12 @@ class PlanOptions:
             raise ConfigError(f"replicate_weights={self.replicate_weights!r} must be a bool")
         if not isinstance(self.reductions, bool):
             raise ConfigError(f"reductions={self.reductions!r} must be a bool")
+        if not isinstance(self.together, tuple) or not all(
+            isinstance(g, frozenset) and all(isinstance(n, str) for n in g) for g in self.together
+        ):
+            raise ConfigError(
+                f"together={self.together!r} must be a tuple of frozensets of node names"
+            )
         if self.automatic and (callable(self.cost) or self.pricing() not in SECONDS_PRICING):
             raise ConfigError(
                 f"chunks={self.chunks!r}, checkpoint={self.checkpoint!r} choose the run by its "

@@ -216,10 +216,8 @@ def _build(
     )
     given = options.tensor_parallel if isinstance(options.tensor_parallel, GivenPlan) else None
     if layout.tp_mesh is not None:  # balanced by what one "tp" rank of each stage runs
-        cost = rank_costs(compiled, layout.tp_mesh.size(), given, options.sequence_parallel)
-        if cost is not None:
-            compiled = _plan(model, (args, kwargs), replace(options, cost=cost),
-                             [target] * total, None)  # fmt: skip
+        compiled = _plan_cut(model, (args, kwargs), options, compiled, layout.tp_mesh.size(),
+                             given, [target] * total)  # fmt: skip
     plan, program, binder = compiled.plan, compiled.program, compiled.traced.binder
     values = binder.bind(mb_args, mb_kwargs)
     found = example_shapes(model, program, values)
@@ -262,18 +260,44 @@ def _build(
     return built
 
 
+def _plan_cut(
+    model: nn.Module,
+    example: tuple[tuple[Any, ...], dict[str, Any]],
+    options: ScheduleOptions,
+    compiled: Compiled,
+    tp: int,
+    given: GivenPlan | None,
+    devices: list[torch.device],
+) -> Compiled:
+    """The plan again for stages cut over ``tp`` ranks: balanced by what one rank of each
+    stage runs (where the costs are times), with no border inside a region the
+    tensor-parallel plan cuts (a border there would leave the region whole), unless the
+    graph then has fewer groups than stages: the borders are then free, and the plan's
+    ``tensor_plan.summary()`` names each product a border leaves whole."""
+    cost, regions = rank_costs(compiled, tp, given, options.sequence_parallel)
+    timed = options if cost is None else replace(options, cost=cost)
+    try:
+        return _plan(model, example, timed, devices, None, together=regions)
+    except PlanError:
+        if cost is None:
+            return compiled
+        return _plan(model, example, timed, devices, None)
+
+
 def _plan(
     model: nn.Module,
     example: tuple[tuple[Any, ...], dict[str, Any]],
     options: ScheduleOptions,
     devices: list[torch.device],
     group: dist.ProcessGroup | None,
+    together: tuple[frozenset[str], ...] = (),
 ) -> Compiled:
     """The plan every rank makes alike: from the costs group rank 0 of ``group`` measured
-    (``cost="time"``), else from the record's own cost; ConfigError for an example the
-    micro-batches would change the model's results on."""
+    (``cost="time"``), else from the record's own cost, with no border inside a group of
+    ``together``; ConfigError for an example the micro-batches would change the model's
+    results on."""
     args, kwargs = example
-    planning = options.plan_options()
+    planning = replace(options.plan_options(), together=together)
     if options.cost == "time":
         timed = planning
         measured = measured_costs(

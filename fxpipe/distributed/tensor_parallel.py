@@ -24,7 +24,7 @@ from fxpipe.ir import PipelinePlan
 from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.local import local_program
 from fxpipe.passes.tensor.parallelize import parallelize_program
-from fxpipe.passes.tensor.plan import tensor_plan
+from fxpipe.passes.tensor.plan import cut_regions, tensor_plan
 from fxpipe.passes.tensor.records import TensorPlan
 from fxpipe.passes.tensor.sequence import SequenceChoice
 
@@ -39,25 +39,28 @@ def rank_costs(
     tp: int,
     given: GivenPlan | None = None,
     sequence_parallel: SequenceChoice = "auto",
-) -> MeasuredCost | None:
+) -> tuple[MeasuredCost | None, tuple[frozenset[str], ...]]:
     """Each node's cost on one of ``tp`` ranks, in seconds, as ``fd.suggest_layout`` prices
     it (:func:`fxpipe.distributed.layout_tensor.tensor_costs`: a node the plan cuts costs
     ``1 / tp``, one it leaves whole all of it, and each collective its bytes over
-    NVLink): the cost the stages are balanced by when tensor parallelism cuts them. None
-    for costs in other units (parameter bytes, a cost function), which stay as they are."""
+    NVLink): the cost the stages are balanced by when tensor parallelism cuts them (None
+    for costs in other units, parameter bytes or a cost function, which stay as they are);
+    and the regions the plan of the whole graph cuts (:func:`cut_regions`), which the
+    stages' borders are to keep whole."""
     from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS
     from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
 
     costs = compiled.plan.costs
-    if costs.unit not in _SECONDS_PER:
-        return None
-    seconds = _SECONDS_PER[costs.unit] or 1.0 / DEFAULT_DEVICE_FLOPS
-    table, _ = tensor_costs(
-        compiled.plan.graph_module, compiled.traced.example_values, costs, tp,
-        bandwidth=DEFAULT_TP_BANDWIDTH, seconds=seconds, given=given,
+    gm, values = compiled.plan.graph_module, compiled.traced.example_values
+    seconds = _SECONDS_PER.get(costs.unit) or 1.0 / DEFAULT_DEVICE_FLOPS
+    table, plan = tensor_costs(
+        gm, values, costs, tp, bandwidth=DEFAULT_TP_BANDWIDTH, seconds=seconds, given=given,
         sequence_parallel=sequence_parallel,
     )  # fmt: skip
-    return MeasuredCost({name: c.cost * seconds for name, c in table.nodes.items()})
+    regions = cut_regions(gm, plan)
+    if costs.unit not in _SECONDS_PER:
+        return None, regions
+    return MeasuredCost({name: c.cost * seconds for name, c in table.nodes.items()}), regions
 
 
 def plan_tensor_parallel(

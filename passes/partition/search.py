@@ -31,7 +31,7 @@ either search under any :class:`fxpipe.passes.partition.fit.StageFit`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +100,7 @@ def partition_graph(
     traffic: Traffic = "direct",
     speed: Sequence[float] | None = None,
     memory: MemoryModel | None = None,
+    together: Sequence[Collection[str]] = (),
 ) -> Partition:
     """Split ``g`` (from :func:`fxpipe.passes.partition.cost_graph.to_networkx`) into
     ``num_stages``.
@@ -109,9 +110,10 @@ def partition_graph(
     ``speed[j]``: the relative speed of stage j's device; a stage's time is its cost over
     it and the bottleneck is the largest time (None: all 1, times are costs). ``memory``:
     the budgets every device's stages must fit (MemoryPlanError, with the least memory any
-    split needs, when none does)."""
+    split needs, when none does). ``together``: groups of nodes no border may split (the
+    regions tensor parallelism cuts), each kept in one stage."""
     started = time.perf_counter()
-    units = build_units(g)
+    units = build_units(g, together)
     _check_enough_units(g, units, num_stages)
     values = _values(g, units, traffic)
     ideals = enumerate_ideals(units.dag, exact_limit) if exact_limit > 0 else None

@@ -7,11 +7,13 @@ nodes that only name values are not units: placeholders are pinned to the first 
 ``get_attr`` nodes join the first stage that reads them, and the output node the last.
 A ``get_attr`` of a submodule (the body of a higher-order op, which several copies of the
 op may call) is not a value that crosses a border either: every stage that reads it names
-it itself, so it ties none of its readers together.
+it itself, so it ties none of its readers together. A caller may tie groups of nodes together too
+(``together``: a tensor-parallel region, whose cut values a border would make whole).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -42,15 +44,21 @@ class Units:
         return len(self.members)
 
 
-def build_units(g: nx.DiGraph) -> Units:
+def build_units(g: nx.DiGraph, together: Sequence[Collection[str]] = ()) -> Units:
     """Group the compute nodes of ``g`` (from
-    :func:`fxpipe.passes.partition.cost_graph.to_networkx`)."""
+    :func:`fxpipe.passes.partition.cost_graph.to_networkx`); each group of ``together``
+    (node names; names ``g`` lacks and nodes that compute nothing are skipped) in one
+    unit."""
     index = nx.get_node_attributes(g, "index")
     compute = sorted((n for n, op in g.nodes(data="op") if op in COMPUTE_OPS), key=index.get)
     parent = {n: n for n in compute}
     for u, v, tensor in g.edges(data="is_tensor"):
         if not tensor and u in parent and v in parent:
             _union(parent, u, v)
+    for group in together:
+        members = [n for n in group if n in parent]
+        for n in members[1:]:
+            _union(parent, members[0], n)
     group = {n: _find(parent, n) for n in compute}
     if all(group[n] == n for n in compute):  # nothing merged: the fx order is topological
         return _singletons(g, compute)

@@ -44,7 +44,7 @@ from fxpipe.passes.tensor.sequence import (
 )
 from fxpipe.passes.tensor.values import node_values
 
-__all__ = ["tensor_plan"]
+__all__ = ["tensor_plan", "cut_regions"]
 
 
 def tensor_plan(
@@ -128,3 +128,27 @@ def _with_sequence(
         sequence_declined=regions.declined, unflattened=unflattened,
     )  # fmt: skip
 
+
+def cut_regions(gm: fx.GraphModule, plan: TensorPlan) -> tuple[frozenset[str], ...]:
+    """The nodes of each region ``plan`` cuts (from its column-wise products through the
+    values cut by features or heads to the row-wise products that contract them), one set
+    per region of more than one node: a stage border inside one would leave it whole."""
+    cut = {*plan.layouts, *plan.node_styles}
+    parent = {name: name for name in cut}
+
+    def root(name: str) -> str:
+        while parent[name] != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    for n in gm.graph.nodes:
+        if n.name not in cut:
+            continue
+        for a in n.all_input_nodes:
+            if a.name in plan.layouts:
+                parent[root(a.name)] = root(n.name)
+    groups: dict[str, set[str]] = {}
+    for name in cut:
+        groups.setdefault(root(name), set()).add(name)
+    return tuple(frozenset(g) for g in groups.values() if len(g) > 1)

@@ -421,3 +421,26 @@ def test_splits_that_send_the_same_bytes_are_ranked_by_evenness(exact_limit: int
         part = partition_graph(g, k, slack=1.0, exact_limit=exact_limit)
         assert part.border_bytes == direct_bytes(g, part.stage_of, k) == 10 * (k - 1)
         assert part.bottleneck == 12 / k
+
+
+@pytest.mark.parametrize("exact_limit", [EXACT_LIMIT, 0])
+def test_no_border_splits_a_group_held_together(exact_limit: int) -> None:
+    """``together`` (a region tensor parallelism cuts): each group lies in one stage, where
+    the split without it cuts through the group; the bottleneck is the best the groups
+    allow, no better than without them."""
+    traced, _, g = priced("transformer")
+    compute = build_units(g).unit_of
+    for k in (2, 3):
+        free = partition_graph(g, k, exact_limit=exact_limit)
+        order = [n.name for n in traced.graph_module.graph.nodes if n.name in compute]
+        # the nodes around each border of the free split, one group a border
+        groups = []
+        for j in range(1, k):
+            at = next(i for i, n in enumerate(order) if free.stage_of[n] == j)
+            groups.append(frozenset(order[max(at - 3, 0) : at + 3]))
+            assert len({free.stage_of[n] for n in groups[-1]}) == 2  # the free split cuts it
+        held = partition_graph(g, k, exact_limit=exact_limit, together=groups)
+        for group in groups:
+            stages = {held.stage_of[n] for n in group}
+            assert len(stages) == 1, (k, sorted(group), stages)
+        assert held.bottleneck >= free.bottleneck * (1 - 1e-9)
