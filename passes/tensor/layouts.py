@@ -111,6 +111,11 @@ def _reduction(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Resul
     if shard is None or a is None or dim is None or isinstance(dim, fx.Node):
         return Blocked(f"{what(n)} reduces over every dimension, the cut one included")
     dims = {int(d) % len(a) for d in (dim if isinstance(dim, (list, tuple)) else [dim])}
+    if shard.dim in dims and _norm_statistic(n):
+        return Blocked(
+            f"{what(n)} normalises over the cut features (a norm over every head, as OLMo2's "
+            "q and k norms): its statistic would need every rank's part"
+        )
     if shard.dim in dims:
         return Blocked(f"{what(n)} reduces over the cut dimension (a partial result)")
     out = rules.size(n)
@@ -118,6 +123,14 @@ def _reduction(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Resul
         return Blocked(f"{what(n)} returns several values")
     keep = len(out) == len(a)
     return shard if keep else Shard(shard.dim - sum(d < shard.dim for d in dims), shard.blocks)
+
+
+def _norm_statistic(n: fx.Node, depth: int = 3) -> bool:
+    """Whether reduction ``n`` is a norm's statistic: a root of it is taken within ``depth``
+    ops (``x * rsqrt(mean(x^2) + eps)``, as a model writes a norm out)."""
+    if depth == 0:
+        return False
+    return any(op_name(u) in ("rsqrt", "sqrt") or _norm_statistic(u, depth - 1) for u in n.users)
 
 
 def _norm(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Result:
@@ -167,8 +180,14 @@ def _attention(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Resul
             return Blocked(
                 f"{what(n)}: its {key} ({value}) is not cut along its heads as the others are"
             )
-    if len({s.blocks for s in shards if s is not None}) != 1:
-        return Blocked(f"{what(n)}: query, key and value are cut in different parts")
+    blocks = [s.blocks for s in shards if s is not None]
+    if len(set(blocks)) != 1:
+        return Blocked(
+            f"{what(n)}: query, key and value come from a fused product in unequal parts "
+            f"({', '.join(map(str, blocks))} of its {sum(blocks)}, grouped key/value heads): "
+            "no placement of its weight gives each rank its query heads beside their key and "
+            "value heads"
+        )
     first = shards[0]
     assert first is not None
     mask = arg(n, 3, "attn_mask")

@@ -35,6 +35,8 @@ __all__ = ["local_program", "cut_sizes", "whole_shape"]
 _SIZED = frozenset({"view", "reshape", "_unsafe_view", "expand"})
 #: Ops whose size arguments name the pieces of their input along ``dim``.
 _SPLIT = frozenset({"split", "split_with_sizes"})
+#: Ops that take a range of their input along a dimension (whole parts of a cut one).
+_SLICE = frozenset({"slice", "narrow", "getitem"})
 
 
 def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
@@ -130,6 +132,10 @@ def _cut_sizes(graph: fx.Graph, plan: TensorPlan) -> None:
             source = plan.layouts.get(n.args[0].name)
             if isinstance(source, Shard):
                 _cut_split_args(graph, n, source.dim, plan.tp)
+        elif name in _SLICE and layout is not None and isinstance(n.args[0], fx.Node):
+            source = plan.layouts.get(n.args[0].name)
+            if isinstance(source, Shard):
+                _cut_slice_args(n, source.dim, plan.tp)
 
 
 def _cut_shape_args(graph: fx.Graph, n: fx.Node, dim: int, tp: int) -> None:
@@ -199,6 +205,64 @@ def _cut_split_args(graph: fx.Graph, n: fx.Node, cut: int, tp: int) -> None:
     else:
         kwargs[key if key in kwargs else "split_sizes"] = new
     n.args, n.kwargs = tuple(args), kwargs
+
+
+def _cut_slice_args(n: fx.Node, cut: int, tp: int) -> None:
+    """A slice (or index) of whole parts of the cut dimension (q of a fused q, k, v) takes
+    the rank's pieces of them: it becomes :func:`sliced_parts` (or :func:`indexed_parts`),
+    which divide its bounds by tp on the rank's piece."""
+    name, x = op_name(n), n.args[0]
+    if name == "getitem":
+        n.op, n.target, n.kwargs = "call_function", indexed_parts, {}
+        n.args = (x, n.args[1], cut, tp)
+        return
+    dim = arg_of(n, 1, "dim", 0)
+    if isinstance(dim, int) and 0 <= dim != cut:
+        return  # another dimension: as it was
+    if name == "narrow":
+        begin = arg_of(n, 2, "start", 0)
+        bounds = (begin, begin + arg_of(n, 3, "length", 0), 1)
+    else:
+        bounds = (arg_of(n, 2, "start", None), arg_of(n, 3, "end", None), arg_of(n, 4, "step", 1))
+    n.op, n.target, n.kwargs = "call_function", sliced_parts, {}
+    n.args = (x, dim, *bounds, cut, tp)
+
+
+def arg_of(n: fx.Node, index: int, key: str, default: Any) -> Any:
+    """Argument ``index`` or keyword ``key`` of ``n``."""
+    return n.args[index] if len(n.args) > index else n.kwargs.get(key, default)
+
+
+def sliced_parts(
+    x: torch.Tensor, dim: int, start: Any, stop: Any, step: Any, cut: int, tp: int
+) -> Any:
+    """``x[start:stop:step]`` along ``dim``, where ``x`` is one rank's piece of a value cut
+    along ``cut`` in parts; along ``cut`` the slice takes whole parts (unit step): the
+    rank's pieces of them."""
+    if dim % x.dim() != cut:
+        return x[(slice(None),) * (dim % x.dim()) + (slice(start, stop, step),)]
+    a, b, _ = slice(start, stop).indices(x.shape[cut] * tp)
+    return x.narrow(cut, a // tp, max(b - a, 0) // tp)
+
+
+def indexed_parts(x: torch.Tensor, index: Any, cut: int, tp: int) -> Any:
+    """``x[index]``, where ``x`` is one rank's piece of a value cut along ``cut`` in parts
+    and the index slices whole parts of it: the rank's pieces of them."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        used = sum(1 for i in items if i is not None and i is not Ellipsis)
+        items[at : at + 1] = [slice(None)] * (x.dim() - used)
+    dim = 0
+    for k, item in enumerate(items):
+        if item is None:
+            continue
+        if dim == cut and isinstance(item, slice):
+            a, b, _ = item.indices(x.shape[cut] * tp)
+            items[k] = slice(a // tp, a // tp + max(b - a, 0) // tp)
+            break
+        dim += 1
+    return x[tuple(items)]
 
 
 def _read_whole_sizes(graph: fx.Graph, plan: TensorPlan) -> None:

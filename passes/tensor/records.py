@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -146,14 +146,15 @@ class TensorPlan:
     #: Cut node calling a norm module -> the module's parameters, read alike.
     partial_modules: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def block_fractions(self) -> dict[str, float]:
+    def block_fractions(self, held: Collection[str] | None = None) -> dict[str, float]:
         """Decoder block (``model.layers.0``) -> the fraction of its matrix products'
-        parameter elements that are cut (a row-wise product's bias is whole)."""
+        parameter elements that are cut (a row-wise product's bias is whole); of the blocks
+        whose parameters ``held`` names (one rank's stages), where given."""
         total: dict[str, int] = {}
         cut: dict[str, int] = {}
         for p in self.params.values():
             block = block_of(p.name)
-            if not p.product or block is None:
+            if not p.product or block is None or (held is not None and p.name not in held):
                 continue
             total[block] = total.get(block, 0) + p.numel
             cut[block] = cut.get(block, 0) + (p.numel if p.shard is not None else 0)

@@ -32,7 +32,7 @@ from fxpipe.passes.tensor.cuts import (
 )
 from fxpipe.passes.tensor.records import Layout, Shard
 
-__all__ = ["RESHAPE_RULES", "feature_parts"]
+__all__ = ["RESHAPE_RULES", "feature_parts", "slice_bounds"]
 
 
 def _view(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Result:
@@ -118,9 +118,41 @@ def _slice(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Result:
     if name == "narrow":
         start, length = arg(n, 2, "start"), arg(n, 3, "length")
         whole = start == 0 and isinstance(length, int) and length >= a[dim]
+        bounds = slice_bounds(start, start + length if _ints(start, length) else None, 1, a[dim])
     else:
-        whole = _full(arg(n, 2, "start"), arg(n, 3, "end"), arg(n, 4, "step", 1), a[dim])
-    return shard if whole else Blocked(f"{what(n)} takes part of the cut dimension")
+        start, stop, step = arg(n, 2, "start"), arg(n, 3, "end"), arg(n, 4, "step", 1)
+        whole = _full(start, stop, step, a[dim])
+        bounds = slice_bounds(start, stop, step, a[dim])
+    return shard if whole else _parts_taken(n, shard, a[dim], bounds)
+
+
+def _ints(*values: Any) -> bool:
+    return all(isinstance(v, int) for v in values)
+
+
+def slice_bounds(start: Any, stop: Any, step: Any, size: int) -> tuple[int, int] | None:
+    """A unit-step slice's ``[start, stop)`` within ``size`` entries, where its bounds are
+    ints (None: stop at the end); None for any other slice."""
+    start = 0 if start is None else start
+    stop = size if stop is None else stop
+    if step not in (None, 1) or not _ints(start, stop):
+        return None
+    start, stop = (v + size if v < 0 else v for v in (start, stop))
+    return max(0, min(start, size)), max(0, min(stop, size))
+
+
+def _parts_taken(n: fx.Node, shard: Shard, size: int, bounds: tuple[int, int] | None) -> Result:
+    """A slice of the cut dimension that takes whole parts of it (q of a fused q, k, v cut
+    in three parts: each rank its piece of each part) is cut as the parts it takes."""
+    part = size // shard.blocks
+    if bounds is not None and bounds[0] % part == 0 and bounds[1] % part == 0:
+        taken = (bounds[1] - bounds[0]) // part
+        if taken > 0:
+            return Shard(shard.dim, taken)
+    return Blocked(
+        f"{what(n)} takes part of the cut dimension ({size}), not whole parts of its "
+        f"{shard.blocks}"
+    )
 
 
 def _getitem(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Result:
@@ -145,7 +177,9 @@ def _getitem(n: fx.Node, layouts: Mapping[str, Layout], rules: Rules) -> Result:
         cut = dim_in == shard.dim
         if isinstance(item, slice):
             if cut and not _full(item.start, item.stop, item.step, a[dim_in]):
-                return Blocked(f"{what(n)} takes part of the cut dimension")
+                bounds = slice_bounds(item.start, item.stop, item.step, a[dim_in])
+                taken = _parts_taken(n, shard, a[dim_in], bounds)
+                return Shard(dim_out, taken.blocks) if isinstance(taken, Shard) else taken
             if cut:
                 return Shard(dim_out, shard.blocks)
             dim_in, dim_out = dim_in + 1, dim_out + 1
@@ -219,6 +253,7 @@ def feature_parts(n: fx.Node, rules: Rules) -> list[int]:
         return [1]
     features, found = size[-1], {1}
     todo, seen = [n], {n}
+    slices: list[tuple[int, int] | None] = []
     while todo:
         node = todo.pop()
         for user in node.users:
@@ -236,9 +271,36 @@ def feature_parts(n: fx.Node, rules: Rules) -> list[int]:
                 dim = int(arg(user, 2, "dim", 0))
                 if isinstance(pieces, tuple) and here and dim % len(here) == len(here) - 1:
                     found.add(len(pieces))
+            elif name in ("slice", "getitem"):  # q, k and v sliced off fused features
+                bounds = _last_slice(user, len(rules.size(node) or ()), features)
+                if bounds != ():
+                    slices.append(bounds)  # type: ignore[arg-type]
             elif name in ELEMENTWISE or name in CASTS or _passes_through(user, rules):
                 todo.append(user)
+    if slices and None not in slices:  # parts as large as every slice's bounds allow
+        part = math.gcd(features, *(b for bounds in slices if bounds for b in bounds))
+        found.add(features // part)
     return sorted(found)
+
+
+def _last_slice(n: fx.Node, rank: int, size: int) -> tuple[int, int] | tuple[()] | None:
+    """The bounds a ``slice`` op or an index takes of the last of ``rank`` dimensions (of
+    ``size`` entries): () where it leaves that dimension whole or is not a slice of it, None
+    where they are not ints."""
+    if op_name(n) == "slice":
+        if rank == 0 or int(arg(n, 1, "dim", 0)) % rank != rank - 1:
+            return ()
+        return slice_bounds(arg(n, 2, "start"), arg(n, 3, "end"), arg(n, 4, "step", 1), size)
+    index = n.args[1] if len(n.args) > 1 else None
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        items = items[items.index(Ellipsis) + 1 :]
+        last = items[-1] if len(items) == 1 else None
+    else:
+        last = items[rank - 1] if len(items) == rank else None
+    if not isinstance(last, slice) or _full(last.start, last.stop, last.step, size):
+        return ()
+    return slice_bounds(last.start, last.stop, last.step, size)
 
 
 def _passes_through(n: fx.Node, rules: Rules) -> bool:

@@ -46,6 +46,8 @@ from tests.distributed.test_checkpoint import _train_steps as train_steps
 
 preload(__name__)
 
+FAMILIES = ("qwen3", "gemma3", "mistral", "phi3", "olmo2")
+
 
 def _check(runs: list[dict[str, Any]], tp: int, name: str = "transformer", dp: int = 1) -> None:
     for t in range(tp):  # each "tp" coordinate runs one copy of each pipeline replica
@@ -328,6 +330,80 @@ def test_steps_of_varying_odd_lengths_cut_along_the_sequence_equal_eager(
     per_rank = results(launch(_hf_lengths, world, tmp_path, lengths=[7, 1, 5]))
     for runs in zip(*per_rank, strict=True):
         _hf_equal(list(runs), 1)
+
+
+def _families(rank: int, world: int, *, names: list[str]) -> list[dict[str, Any]]:
+    """Each family of :data:`tests.passes.tensor.test_plan.FAMILIES` on a 2 x 1 x 2 mesh,
+    1F1B over 2 micro-batches, one step at 8 tokens then one at 5 (a window of 4 shorter
+    than both); each step's loss and every gradient beside eager's, and the share of this
+    rank's block matrices the plan cuts, with the reasons of what it leaves whole."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.passes.tensor.test_plan import FAMILIES, VOCAB
+
+    mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    out = []
+    for name in names:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = FAMILIES[name]().double()
+            batches = [
+                (torch.randint(0, VOCAB, (4, n)), torch.randint(0, VOCAB, (4, n))) for n in (8, 5)
+            ]
+        reference = copy.deepcopy(model)
+        pipe = fd.pipeline_schedule(
+            model, (batches[0][0],), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False,
+            mesh=mesh, schedule="1f1b", tensor_parallel="auto",
+        )  # fmt: skip
+        steps = []
+        for ids, target in batches:
+            for p in pipe.parameters():
+                p.grad = None
+            reference.zero_grad()
+            losses = step(pipe, (ids,), {}, target)
+            pipe.sync_tied_gradients()
+            grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
+            loss = _hf_loss(reference(ids), target)
+            loss.backward()
+            expected = dict(reference.named_parameters(remove_duplicate=False))
+            steps.append({
+                "loss": (float(sum(losses)) if losses else None, loss.item()),
+                "grads": {k: (g, expected[k].grad.clone()) for k, g in grads.items()},
+            })  # fmt: skip
+        plan = pipe.tensor_plan
+        assert plan is not None
+        held = {k for k, _ in pipe.named_parameters()}
+        fractions = plan.block_fractions(held)
+        out.append({"steps": steps, "share": min(fractions.values()), "plan": plan.summary()})
+    return out
+
+
+@pytest.mark.slow
+def test_more_families_cut_at_2x1x2_equal_eager_and_say_what_they_leave_whole(
+    tmp_path: Path,
+) -> None:
+    """Qwen3 and Gemma3 (a weight per head of q and k: each tp rank's gradient of it was its
+    own heads' part until the ranks' parts were summed), Mistral and Gemma3 with a window
+    shorter than the sequence, Phi-3 (q, k, v fused in unequal parts: whole, and said) and
+    OLMo2 (q and k normalised over all heads: whole, and said), at 8 and 5 tokens. No stage
+    border falls inside a region the plan cuts, so every block of the first three is cut
+    whole."""
+    names = list(FAMILIES)
+    per_rank = results(launch(_families, 4, tmp_path, names=names))
+    for k, name in enumerate(names):
+        runs = [r[k] for r in per_rank]
+        for steps in zip(*(r["steps"] for r in runs), strict=True):
+            _hf_equal(list(steps), 1)
+        shares = [r["share"] for r in runs]
+        if name in ("qwen3", "gemma3", "mistral"):
+            assert min(shares) == 1.0, (name, shares)
+        else:
+            assert min(shares) < 0.8, (name, shares)
+            why = " ".join(runs[0]["plan"].split())
+            said = "unequal parts" if name == "phi3" else "normalises over the cut features"
+            assert said in why, (name, why)
 
 
 def _hf_cases(rank: int, world: int, *, names: list[str], **options: Any) -> list[dict[str, Any]]:

@@ -185,6 +185,24 @@ def test_a_head_count_tp_does_not_divide_runs_its_attention_whole_and_says_so(
 
 
 @pytest.mark.parametrize(
+    ("name", "placed"),
+    [
+        ("phi3_mha", {"model.layers.0.self_attn.qkv_proj.weight": "_StridedShard(dim=0, sf=3)"}),
+        ("qwen3", {"model.layers.0.self_attn.q_proj.weight": "Shard(dim=0)"}),
+    ],
+)
+def test_fused_parts_sliced_apart_and_per_head_norms_equal_eager(
+    tmp_path: Path, name: str, placed: dict[str, str]
+) -> None:
+    """Phi-3's q, k and v sliced off one product (cut in three parts, each slice taking its
+    rank's piece of its part), and Qwen3's per-head q and k norms (their weights' gradients
+    summed over the ranks): outputs and every gradient equal eager's."""
+    res = _run(name, tmp_path, length=7)[0]
+    for key, placement in placed.items():
+        assert res["placements"][key] == placement
+
+
+@pytest.mark.parametrize(
     ("name", "sequence", "length"),
     [("llama", "auto", 7), ("toy", "auto", 5), ("gpt2", "auto", 7), ("odd_heads", True, 8),
      ("toy", False, 8)],

@@ -63,6 +63,37 @@ def _qwen2() -> nn.Module:
     return transformers.Qwen2ForCausalLM(config)
 
 
+def _family(name: str, **extra: Any) -> nn.Module:
+    """A tiny decoder of a transformers family (2 layers, width 32, 4 heads over 2 key/value
+    heads of 8, a tied embedding): Qwen3 and Gemma3 normalise each head's q and k with a
+    weight of 8 entries (Gemma3 as ``1 + w``, with a window of 4 tokens on most layers),
+    Phi-3 fuses q, k, v in unequal parts and gate and up, OLMo2 normalises q and k over all
+    heads."""
+    config_class, model_class = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    }[name]
+    config = config_class(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=64, use_cache=False, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, **{"num_key_value_heads": 2, **extra},
+    )  # fmt: skip
+    return model_class(config)
+
+
+#: Families whose blocks hold what the first three do not (per-head norms, sliding windows,
+#: fused products in parts, a norm over all heads).
+FAMILIES = {
+    "qwen3": lambda: _family("qwen3", head_dim=8),
+    "gemma3": lambda: _family("gemma3", head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
+    "mistral": lambda: _family("mistral", head_dim=8, sliding_window=4),
+    "phi3": lambda: _family("phi3"),
+    "olmo2": lambda: _family("olmo2"),
+}
+
 MODELS = {
     # the zoo's GPT: fx-traced, nn.Linear calls, a fused q, k, v viewed as (3, heads, dim),
     # matmul-softmax-matmul attention, the head tied to the token embedding
@@ -71,6 +102,9 @@ MODELS = {
     "gpt2": _gpt2,
     "llama": _llama,
     "qwen2": _qwen2,
+    **FAMILIES,
+    # q, k and v fused in three equal parts, sliced apart (not split)
+    "phi3_mha": lambda: _family("phi3", num_key_value_heads=4),
 }
 
 

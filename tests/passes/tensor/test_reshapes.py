@@ -71,3 +71,35 @@ def test_a_plain_product_is_tried_whole_only() -> None:
     rules = tensor_rules(nn.Sequential(nn.Linear(64, 64)), torch.randn(2, 8, 64))
     n = next(n for n in rules.gm.graph.nodes if n.op == "call_module")
     assert feature_parts(n, rules) == [1]
+
+
+def test_a_slice_of_whole_parts_is_cut_as_the_parts_it_takes() -> None:
+    """q, k and v sliced off a fused product (Phi-3): a slice along the cut dimension that
+    takes whole parts keeps each rank's pieces of them; one that cuts through a part, or
+    slices a value cut in one part, cannot."""
+    rules = tensor_rules(lambda x: x[..., 64:192], torch.randn(2, 8, 192))
+    node = next(n for n in rules.gm.graph.nodes if n.op == "call_function")
+    assert follow_node(rules, node.name, {"x": Shard(2, blocks=3)}) == Shard(2, blocks=2)
+    assert isinstance(follow_node(rules, node.name, {"x": Shard(2)}), Blocked)
+    through = tensor_rules(lambda x: x[..., 32:96], torch.randn(2, 8, 192))
+    node = next(n for n in through.gm.graph.nodes if n.op == "call_function")
+    blocked = follow_node(through, node.name, {"x": Shard(2, blocks=3)})
+    assert isinstance(blocked, Blocked) and "not whole parts of its 3" in blocked.reason
+
+
+class _Sliced(nn.Module):
+    """A fused product of q (4 heads) and k, v (2 heads each), sliced apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = self.qkv(x)
+        return y[..., :32], y[..., 32:48], y[..., 48:]
+
+
+def test_a_fused_product_sliced_apart_is_tried_in_parts_its_slices_allow() -> None:
+    rules = tensor_rules(_Sliced(), torch.randn(2, 8, 32))
+    n = next(n for n in rules.gm.graph.nodes if n.name == "qkv")
+    assert feature_parts(n, rules) == [1, 4]  # parts of 16: q takes two, k and v one each
