@@ -126,7 +126,8 @@ def plan(
         model: the ``nn.Module`` to split; its ``forward`` must be traceable by torch.fx or
             torch.export (no Python control flow on tensor values).
         example_input: one batch, as the model is called: a tensor (the only argument) or
-            a tuple of positional arguments; a list is refused (wrap it: ``([a, b],)``).
+            a tuple of positional arguments; a list is refused (wrap it: ``([a, b],)``),
+            and so is a dict (a collated batch goes in ``example_kwargs``, with ``()`` here).
             Dim 0 of every tensor is the batch; non-tensor arguments are fixed at these
             values.
         devices: one entry per stage, in pipeline order: ``"cuda:1"``, ``1`` (a CUDA
@@ -218,7 +219,8 @@ def pipeline(
         model: the ``nn.Module`` to split; its ``forward`` must be traceable by torch.fx or
             torch.export (no Python control flow on tensor values).
         example_input: one batch, as the model is called: a tensor (the only argument) or
-            a tuple of positional arguments; a list is refused (wrap it: ``([a, b],)``).
+            a tuple of positional arguments; a list is refused (wrap it: ``([a, b],)``),
+            and so is a dict (a collated batch goes in ``example_kwargs``, with ``()`` here).
             Dim 0 of every tensor is the batch; non-tensor arguments are fixed at these
             values.
         devices: one entry per stage, in pipeline order: ``"cuda:1"``, ``1`` (a CUDA
@@ -343,6 +345,7 @@ def compile_model(
         tracer=options.tracer,
         pricing=options.pricing(),
         reductions=options.reductions,
+        whole=options.chunks == 1,
     ) as (traced, batch):
         if options.replicate_weights:
             replicate_shared_weights(traced.graph_module)
@@ -358,14 +361,16 @@ def traced_example(
     tracer: TracerName,
     pricing: PricingMode | Callable[[fx.Node], float],
     reductions: bool = True,
+    whole: bool = False,
 ) -> Iterator[tuple[Traced, int]]:
     """``model`` traced on the example, whose outputs are checked to follow its batch; yields
     (the traced model, the batch size). With ``reductions``, outputs that reduce over the
     batch (a loss inside the model) are computed from partial sums per micro-batch
-    (:func:`fxpipe.trace.example_checks.with_reductions`); else they are refused. A model
-    built on ``meta`` is traced on a meta copy of the example (``pricing`` must not need
-    real values); one that also holds real tensors is seen as shapes only for the ``with``
-    block."""
+    (:func:`fxpipe.trace.example_checks.with_reductions`); else they are refused. A
+    per-sample value computed from a reduction over the batch is refused unless ``whole``
+    (the batch runs as one micro-batch). A model built on ``meta`` is traced on a meta copy
+    of the example (``pricing`` must not need real values); one that also holds real
+    tensors is seen as shapes only for the ``with`` block."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
     view: AbstractContextManager[Any] = nullcontext()
@@ -381,8 +386,7 @@ def traced_example(
             traced = trace(model, args, example_kwargs, tracer=tracer)
         with phase("check", "outputs follow the batch"):
             with preserved(model), fake_runnable(model):  # fake runs may write into buffers
-                if reductions:
-                    traced = with_reductions(traced, batch)
+                traced = with_reductions(traced, batch, reductions=reductions, whole=whole)
                 check_outputs_follow_batch(traced, batch)
         yield traced, batch
 
@@ -549,7 +553,7 @@ def _follow(
     with preserved(model), meta_view(model, live=True):
         front = traced_example(
             model, *example, tracer=_tracer(leader.traced.tracer), pricing=pricing,
-            reductions=options.reductions,
+            reductions=options.reductions, whole=plan.chunks == 1,
         )  # fmt: skip
         with front as (traced, _), preserved(model), fake_runnable(model):
             with phase("price", f"{len(traced.graph_module.graph.nodes)} nodes, again"):

@@ -19,6 +19,18 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def no_further_than_eager(
+    got: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor, factor: float = 4.0
+) -> tuple[bool, float, float]:
+    """The oracle in a narrow dtype: ``got`` (fxpipe's, in that dtype) is no further from
+    ``exact`` (eager in float64) than ``factor`` times eager's own error in that dtype, or
+    than that dtype's epsilon where eager's error is smaller (a result eager gets exactly).
+    Returns (whether it holds, fxpipe's error, eager's)."""
+    ours, theirs = relative_error(got, exact), relative_error(eager, exact)
+    floor = torch.finfo(got.dtype).eps if got.is_floating_point() else 0.0
+    return ours <= factor * max(theirs, floor), ours, theirs
+
+
 def prepared(case: Case, train: bool, dtype: torch.dtype) -> nn.Module:
     """The zoo model of ``case`` in ``dtype`` and mode, its dropout at p=0 (its random draws
     follow the micro-batch order, so only its determinism under recompute is comparable)."""

@@ -170,6 +170,12 @@ CATALOGUE: dict[str, Bad] = {
     ),
     "tracer does not exist": Bad(net, _build(tracer="jit"), ConfigError, "tracer='jit'"),
     "tracer None": Bad(net, _build(tracer=None), ConfigError, "tracer=None"),
+    "example_input a collated dict": Bad(
+        net,
+        _build(example={"x": X}),
+        InputError,
+        r"example_input is a dict with keys 'x' .*example_input=\(\), example_kwargs=batch",
+    ),
     "example keyword the model lacks": Bad(
         net, _build(example_kwargs={"mask": X}), InputError, "'mask'"
     ),
@@ -438,6 +444,18 @@ def test_cuda_without_a_gpu_says_so() -> None:
     with pytest.raises(DeviceError, match=r"'cuda:0' is not present: this machine has 0 CUDA"):
         _pipe(model, devices=["cuda:0", "cuda:1"])
     before.assert_same(model)
+
+
+def test_the_remedy_for_a_collated_dict_as_example_input_works() -> None:
+    """Refused as example_input, the batch passed as example_kwargs builds a pipeline whose
+    calls with it (``pipe(**batch)``, as a Trainer makes them) equal the model's."""
+    model = net()
+    twin = copy.deepcopy(model)
+    batch = {"x": X}
+    with pytest.raises(InputError, match=r"example_kwargs=batch"):
+        fxpipe.pipeline(model, batch, CPU2, cost="flops", chunks=2)
+    pipe = fxpipe.pipeline(model, (), CPU2, example_kwargs=batch, cost="flops", chunks=2)
+    torch.testing.assert_close(pipe(**batch), twin(**batch))
 
 
 def test_a_call_with_another_non_tensor_value_runs_the_model_traced_for_it() -> None:

@@ -330,9 +330,10 @@ def priced_model(
 ) -> Priced:
     """Trace and price once (a model on ``meta`` on a meta copy of the example, as
     :func:`fxpipe.api.compile_model` does)."""
-    front = traced_example(
-        model, example_input, example_kwargs, tracer=tracer, pricing=mode, reductions=False
-    )
+    front = traced_example(  # pipeline_schedule checks what micro-batches would change
+        model, example_input, example_kwargs, tracer=tracer, pricing=mode, reductions=False,
+        whole=True,
+    )  # fmt: skip
     with front as (traced, batch):
         replicate_shared_weights(traced.graph_module)  # as pipeline_schedule plans them
         with preserved(model), fake_runnable(model):

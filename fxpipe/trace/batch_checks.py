@@ -44,6 +44,9 @@ class BatchStatistics:
     #: which offers ``deferred_batch_norm``) or ``"n_microbatches"`` (the multi-process mode,
     #: which does not).
     option: str = "chunks"
+    #: Ops that mix the batch's rows (a router's capacity over the batch): (the node as a
+    #: message names it, why), from :attr:`fxpipe.trace.tracing.Traced.row_mixing`.
+    mixing: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, traced: Traced, option: str = "chunks") -> BatchStatistics:
@@ -56,7 +59,7 @@ class BatchStatistics:
                     layers[str(node.target)] = module
             elif node.op == "call_function" and _fixed_training_batch_norm(node):
                 layers.setdefault(module_path(node) or node.name, None)
-        return cls(tuple(layers.items()), traced.tracer, option=option)
+        return cls(tuple(layers.items()), traced.tracer, option=option, mixing=traced.row_mixing)
 
     def active(self) -> list[str]:
         """The layers that use batch statistics now (their modules' current mode)."""
@@ -70,14 +73,13 @@ class BatchStatistics:
         if self.warned or micro_batches < 2:
             return
         names = self.active()
-        if not names:
+        if not names and not self.mixing:
             return
         self.warned = True
-        warnings.warn(
-            _statistics_message(names, self.tracer, self.option),
-            BatchStatisticsWarning,
-            stacklevel=_caller_level(),
-        )
+        said = [_mixing_message(self.mixing, self.option)] if self.mixing else []
+        if names:
+            said.insert(0, _statistics_message(names, self.tracer, self.option))
+        warnings.warn(" ".join(said), BatchStatisticsWarning, stacklevel=_caller_level())
 
 
 def _fixed_training_batch_norm(node: fx.Node) -> bool:
@@ -94,6 +96,19 @@ _REPLICAS = (
     "running statistics from its own micro-batches (nothing synchronises buffers), so the "
     "copies differ between replicas."
 )
+
+
+def _mixing_message(mixing: tuple[tuple[str, str], ...], option: str) -> str:
+    shown = "; ".join(f"{where} {why}" for where, why in mixing[:3])
+    more = f" (and {len(mixing) - 3} more)" if len(mixing) > 3 else ""
+    return (
+        f"{len(mixing)} op{'s' if len(mixing) > 1 else ''} of this model mix the batch's rows "
+        f"({shown}{more}), as a router that drops tokens over an expert's capacity counted "
+        "over the whole batch does: each micro-batch computes them over its own rows, as "
+        "GPipe runs such a router, so this pipeline's outputs and gradients differ from the "
+        f"unpipelined model's on the whole batch. For outputs equal to the model's, pass "
+        f"{option}=1. This warning is given once per pipeline."
+    )
 
 
 def _statistics_message(names: list[str], tracer: str, option: str) -> str:

@@ -21,9 +21,10 @@ from torch.utils._pytree import (
 )
 
 from fxpipe.errors import InputError, PlanError
-from fxpipe.passes.batch.reductions import split_reductions
+from fxpipe.passes.batch.grouping import row_grouping
+from fxpipe.passes.batch.reductions import check_no_batch_mixing, split_reductions
 from fxpipe.passes.batch.roles import batch_roles
-from fxpipe.passes.ops import op_name
+from fxpipe.passes.ops import module_path, op_name
 from fxpipe.passes.price.recorded import recorded_outputs
 from fxpipe.passes.shape_only import same_shape_output
 from fxpipe.trace.binding import argument_name, describe_value
@@ -40,9 +41,19 @@ __all__ = [
 
 def example_args(example_input: Any) -> tuple[Any, ...]:
     """The example's positional arguments: a tuple as it is, another value as the only one.
-    A list is refused: it reads as several arguments but would reach the model as one."""
+    A list is refused: it reads as several arguments but would reach the model as one; so is
+    a dict, a collated batch whose entries are the model's keyword arguments."""
     if isinstance(example_input, tuple):
         return example_input
+    if isinstance(example_input, Mapping):
+        keys = ", ".join(repr(k) for k in example_input)
+        raise InputError(
+            f"example_input is a {type(example_input).__name__} with keys {keys} (a collated "
+            "batch, as a DataLoader or Trainer gives), which the model would get as one "
+            "positional argument; pass its entries as keyword arguments: example_input=(), "
+            "example_kwargs=batch (fxpipe.pipeline(model, (), devices, example_kwargs=batch), "
+            "then pipe(**batch)), or (batch,) when the model's first argument is a dict"
+        )
     if isinstance(example_input, list):
         raise InputError(
             f"example_input is {describe_value(example_input)}, which the model would get as "
@@ -97,19 +108,38 @@ def output_names(spec: TreeSpec) -> list[str]:
     return names
 
 
-def with_reductions(traced: Traced, batch: int) -> Traced:
-    """``traced`` with the outputs that reduce over the batch (a loss inside the model)
-    computed from per-micro-batch partial sums (:mod:`fxpipe.passes.batch.reductions`); as it is
-    where every output is per-sample, or where the graph's values at another batch size
-    cannot be told (the output check that follows reports what it can)."""
+def with_reductions(
+    traced: Traced, batch: int, *, reductions: bool = True, whole: bool = False
+) -> Traced:
+    """``traced`` checked for values that mix the batch's samples, and (``reductions``) with
+    the outputs that reduce over the batch (a loss inside the model) computed from
+    per-micro-batch partial sums (:mod:`fxpipe.passes.batch.reductions`). A per-sample value
+    computed from a reduction over the batch is refused (PlanError), unless the batch runs
+    whole (``whole``: one micro-batch, nothing to differ); ops along the batch's rows that
+    mix them (a router's capacity over the batch) are kept in ``row_mixing`` for the
+    runtime's warning. As it is where the graph's values at another batch size cannot be
+    told (the output check that follows reports what it can)."""
     roles = batch_roles(traced.graph_module, traced.example_values, batch)
     if roles is None:
         return traced
+    gm = traced.graph_module
+    grouping = row_grouping(gm, roles) if whole else check_no_batch_mixing(gm, roles)
+    mixing = tuple((describe_node(gm, name), why) for name, why in grouping.mixing.items())
+    traced = dataclasses.replace(traced, row_mixing=mixing)
+    if not reductions:
+        return traced
     names = output_names(traced.output_spec)
-    gm, finalize = split_reductions(traced.graph_module, roles, names)
+    gm, finalize = split_reductions(gm, roles, names)
     if finalize is None:
         return traced
     return dataclasses.replace(traced, graph_module=gm, finalize=finalize)
+
+
+def describe_node(gm: fx.GraphModule, name: str) -> str:
+    """``'cumsum' in module 'model.layers.0.moe.gate'``: a node as a warning names it."""
+    node = next(n for n in gm.graph.nodes if n.name == name)
+    where = module_path(node)
+    return f"{name!r} in module {where!r}" if where else repr(name)
 
 
 def check_outputs_follow_batch(traced: Traced, batch: int) -> None:

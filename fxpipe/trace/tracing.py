@@ -67,6 +67,10 @@ class Traced:
     #: outputs into the model's (:mod:`fxpipe.passes.batch.reductions`); None: the graph's
     #: outputs are the model's flat output leaves, each batch-first.
     finalize: Finalize | None = None
+    #: Ops that mix the batch's rows (a router's capacity counted over the whole batch):
+    #: (the node, as a message names it; why), for the warning of a run that splits it
+    #: (:mod:`fxpipe.passes.batch.grouping`).
+    row_mixing: tuple[tuple[str, str], ...] = ()
 
 
 def trace(

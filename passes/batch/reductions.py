@@ -38,6 +38,7 @@ from torch.nn import _reduction as legacy
 
 from fxpipe.errors import PlanError
 from fxpipe.ir import Finalize, Join
+from fxpipe.passes.batch.grouping import RowGrouping, row_grouping
 from fxpipe.passes.batch.roles import SHAPE_ONLY_OPS, BatchRoles
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.split.placement import retarget
@@ -198,9 +199,9 @@ def split_reductions(
     None when every output grows with the batch; else a new GraphModule whose outputs are
     the per-sample outputs, then the partial sums and counts, and the Finalize that joins
     them into the model's outputs. Raises PlanError for a reduction that micro-batches
-    cannot give exactly. ``gm`` is not modified.
+    cannot give exactly. ``gm`` is not modified. What mixes the batch's samples is
+    :func:`check_no_batch_mixing`'s to refuse, first.
     """
-    check_no_batch_mixing(gm, roles)
     output = _output(gm)
     leaves: list[Any] = list(output.args[0])  # type: ignore[arg-type]
     reduced = [
@@ -216,16 +217,23 @@ def split_reductions(
     return _build(gm, cut, leaves, reduced, names)
 
 
-def check_no_batch_mixing(gm: fx.GraphModule, roles: BatchRoles) -> None:
+def check_no_batch_mixing(gm: fx.GraphModule, roles: BatchRoles) -> RowGrouping:
     """PlanError where a per-sample value is computed from a reduction over the batch
     (``x - x.mean(0)``, ``h + x[0]``) or scaled by the batch size (``x / x.shape[0]``):
-    each micro-batch would use its own, so the result would differ from the model's."""
+    each micro-batch would use its own, so the result would differ from the model's. A
+    grouped product reading the offsets of the rows it groups is not such a value
+    (:mod:`fxpipe.passes.batch.grouping`). Returns what the grouping analysis found: the ops
+    along the batch's rows that mix it (a router's capacity over the whole batch), which
+    micro-batches each compute on their own rows."""
+    grouping = row_grouping(gm, roles)
     for node in gm.graph.nodes:
         if node.op in ("output", "placeholder", "get_attr") or roles.of(node) != "batched":
             continue
         if op_name(node) in SHAPE_ONLY_OPS or not roles.seen[node.name][0][0]:
             continue
         for arg in node.all_input_nodes:
+            if node.name in grouping.grouped and arg.name in grouping.grouping:
+                continue  # the offsets of the rows it groups: each row by its own key
             if roles.of(arg) == "reduced":
                 raise PlanError(
                     f"{_where(node)} computes per-sample values from {arg.name!r} "
@@ -239,6 +247,7 @@ def check_no_batch_mixing(gm: fx.GraphModule, roles: BatchRoles) -> None:
                 "micro-batch would use its own size; compute it outside the model, or pass "
                 "chunks=1 to run whole batches"
             )
+    return grouping
 
 
 _SCALING = frozenset({"mul", "div", "true_divide", "truediv", "floordiv", "floor_divide"})
@@ -324,6 +333,8 @@ def _partial_kind(gm: fx.GraphModule, node: fx.Node, names: Sequence[str]) -> st
     name = op_name(node)
     if node.op in ("call_function", "call_method") and name in ("sum", "mean"):
         return name
+    if node.op in ("call_function", "call_method") and _counts(node):
+        return "sum"
     loss = _loss(gm, node)
     if loss is not None and loss.reduction in ("sum", "mean", "batchmean"):
         return "sum" if loss.reduction == "sum" else "loss"
@@ -339,6 +350,29 @@ def _partial_kind(gm: fx.GraphModule, node: fx.Node, names: Sequence[str]) -> st
         "exactly; return per-sample values (batch first) and reduce outside the model, or "
         "pass chunks=1 to run whole batches"
     )
+
+
+#: Ops that add a batch's rows into bins of a fixed table (a router's tokens per expert).
+_ADDS_INTO = frozenset({"scatter_add", "scatter_add_", "index_add", "index_add_"})
+#: Ops that make a table of zeros.
+_ZEROS = frozenset({"zeros", "zeros_like", "new_zeros"})
+
+
+def _counts(node: fx.Node) -> bool:
+    """Whether ``node`` is a histogram of the batch over a fixed range (``histc`` with
+    ``min < max``: each micro-batch's counts add up to the batch's), or adds the batch's rows
+    into a table of zeros (``zeros(E).scatter_add_(0, expert, weight)``: the same sum)."""
+    name = op_name(node)
+    if name == "histc":
+        low = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
+        high = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
+        if isinstance(low, int | float) and isinstance(high, int | float):
+            return bool(low < high)
+        return False
+    if name in _ADDS_INTO:
+        table = node.args[0] if node.args else node.kwargs.get("input")
+        return isinstance(table, fx.Node) and op_name(table) in _ZEROS
+    return False
 
 
 def _outputs_of(gm: fx.GraphModule, node: fx.Node, names: Sequence[str]) -> list[str]:

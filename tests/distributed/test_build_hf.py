@@ -11,6 +11,7 @@ torch.export records that region as a higher-order op whose body module each sta
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from operator import attrgetter
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from models import ResidualMLP
+from oracle import no_further_than_eager
 from torch import nn
 
 import fxpipe.distributed as fd
@@ -271,3 +273,47 @@ def test_time_cost_failures_reach_every_rank(tmp_path: Path) -> None:
     kind, text = second["error"]
     assert kind == "FxPipeError" and "rank 0 could not profile" in text
     assert "cannot run" in text and "cost='flops'" in text
+
+
+def _grouped(rank: int, world: int) -> dict[str, Any]:
+    """Mixtral with the experts transformers picks in float32 and bfloat16 (tokens grouped
+    by expert for one grouped product, its offsets counted over the micro-batch), one GPipe
+    step on two ranks in each dtype; this rank's gradients beside eager's in that dtype and
+    in float64."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    ids, kwargs, target = _batch()
+    exact = copy.deepcopy(model).double()
+    exact.set_experts_implementation("batched_mm")  # grouped products take no float64
+    _loss(exact(ids, **kwargs), target).backward()
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ours, eager = copy.deepcopy(model).to(dtype), copy.deepcopy(model).to(dtype)
+        _loss(eager(ids, **kwargs), target).backward()
+        pipe = fd.pipeline_schedule(ours, ids, example_kwargs=kwargs, n_microbatches=N_MB,
+                                    loss_fn=_loss, scale_grads=False)  # fmt: skip
+        pipe.step(*((ids,) if pipe.is_first else ()), target=target if pipe.is_last else None,
+                  **(kwargs if pipe.is_first else {}))  # fmt: skip
+        grads = dict(eager.named_parameters())
+        reference = dict(exact.named_parameters())
+        out[str(dtype)] = {
+            k: (p.grad.clone(), grads[k].grad.clone(), reference[k].grad.clone())
+            for k, p in pipe.named_parameters()
+            if p.grad is not None
+        }
+        assert ours.config._experts_implementation == "grouped_mm"
+    return out
+
+
+def test_grouped_experts_in_float32_and_bfloat16_on_two_ranks_are_no_further_than_eager(
+    tmp_path: Path,
+) -> None:
+    by_rank = results(launch(_grouped, 2, tmp_path))
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        grads = {k: v for r in by_rank for k, v in r[dtype].items()}
+        assert len(grads) == len(list(mixtral().parameters()))  # the routers' included
+        for key, (got, eager, exact) in grads.items():
+            holds, ours, theirs = no_further_than_eager(got, eager, exact)
+            assert holds, f"{dtype} grad {key}: {ours:.2e} against eager's {theirs:.2e}"
