@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from fxpipe.passes.split.follow import follow_borders
 from fxpipe.passes.split.plan import build_plan, training_overflow
 from fxpipe.pipeline import Pipeline
 from fxpipe.trace.batch_checks import check_micro_batches
+from fxpipe.trace.constants import fill_meta_constants, place_constants
 from fxpipe.trace.example_checks import (
     check_outputs_follow_batch,
     example_args,
@@ -540,17 +542,25 @@ def _follow(
 ) -> tuple[Traced, PipelinePlan, StageProgram]:
     """``model`` traced as it is now (its modules' training modes) for a call of this
     structure, split along ``leader``'s borders (:mod:`fxpipe.passes.split.follow`): a pipeline's
-    new variant. Traced on ``meta`` views of the model and of an example of the leader's
-    batch size (the model's tensors already live on several devices); priced by the
-    roofline from the shapes torch.export recorded (the borders are the leader's: the costs
-    only describe the stages), which runs nothing; a graph that cannot be priced without
-    running it (a node whose output depends on tensor values, in an fx graph) takes the
-    leader's prices of the nodes of the same name."""
+    new variant. Traced on the model as it is, with an empty example of the leader's batch
+    size, where all its tensors live on one device (so that code that branches on the
+    device, and tensors it makes in forward, are as on that device); else on ``meta`` views
+    of both (its tensors live on several devices, which one trace cannot mix), where a
+    tensor made in forward takes its values from the first trace
+    (:mod:`fxpipe.trace.constants`). Priced by the roofline from the shapes torch.export
+    recorded (the borders are the leader's: the costs only describe the stages), which runs
+    nothing; a graph that cannot be priced without running it (a node whose output depends
+    on tensor values, in an fx graph) takes the leader's prices of the nodes of the same
+    name."""
     plan = leader.plan
     batch = plan.costs.batch_size
-    example = _meta_example((args, dict(kwargs)), batch)
+    place = _one_device(model)
+    example = _empty_example((args, dict(kwargs)), batch, place or torch.device("meta"))
     pricing: PricingMode = "roofline"
-    with preserved(model), meta_view(model, live=True):
+    view: AbstractContextManager[Any] = (
+        nullcontext() if place is not None else meta_view(model, live=True)
+    )
+    with preserved(model), view:
         front = traced_example(
             model, *example, tracer=_tracer(leader.traced.tracer), pricing=pricing,
             reductions=options.reductions, whole=plan.chunks == 1,
@@ -568,6 +578,7 @@ def _follow(
                 except ValueDependentError:  # on meta: the leader's prices, node by name
                     costs = borrowed_costs(traced.graph_module, plan.costs)
             with phase("split", "along the first trace's borders"):
+                fill_meta_constants(traced.graph_module, [leader.traced.graph_module], model)
                 g = to_networkx(traced.graph_module, costs)
                 stage_of = follow_borders(plan, traced.graph_module, g)
                 followed = build_plan(
@@ -582,19 +593,33 @@ def _follow(
                     training=model.training and torch.is_grad_enabled(),
                 )
                 program = split_stages(followed, traced.output_spec, traffic=options.traffic)
+                place_constants(program.modules, plan.devices, model)
             check_micro_batches(traced, plan.chunks, model)
     return traced, followed, program
 
 
-def _meta_example(call: Any, batch: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call's arguments on ``meta``, every batched tensor resized to ``batch`` rows
-    (torch.export would fix a batch of one into the graph)."""
+def _one_device(model: nn.Module) -> torch.device | None:
+    """The device every parameter and buffer of ``model`` lives on; None where they live on
+    several, or on ``meta``."""
+    found = {t.device for t in chain(model.parameters(), model.buffers())}
+    if len(found) != 1:
+        return None
+    (device,) = found
+    return None if device.type == "meta" else device
+
+
+def _empty_example(
+    call: Any, batch: int, device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments as empty tensors on ``device``, every batched tensor resized to
+    ``batch`` rows (torch.export would fix a batch of one into the graph)."""
 
     def resized(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         shape = (batch, *t.shape[1:]) if t.ndim else ()
-        return torch.empty(shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
+        empty = torch.zeros(shape, dtype=t.dtype, device=device)
+        return empty.requires_grad_(t.requires_grad)
 
     args, kwargs = tree_map(resized, call)
     return tuple(args), dict(kwargs)

@@ -273,3 +273,75 @@ def test_hf_model_with_its_cache_on_is_refused_with_the_use_cache_remedy() -> No
     model.eval()  # its dropout off, to compare
     pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2)
     assert relative_error(pipe(ids).logits, model(ids).logits) < 1e-6
+
+
+@pytest.mark.slow
+def test_hf_trace_error_says_exports_reason_before_fxs() -> None:
+    """fx cannot bind a decorated Hugging Face forward, so export's reason comes first, then
+    fx's; here export refuses a custom autograd Function, which only fx keeps whole."""
+    config = transformers.PhimoeConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2,
+        use_cache=False,
+    )  # fmt: skip
+    model = transformers.PhimoeForCausalLM(config)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH))
+    with pytest.raises(fxpipe.errors.TraceError) as info:
+        fxpipe.plan(model, ids, ["cpu"] * 2)
+    lines = str(info.value).splitlines()
+    assert lines[1].startswith("  export: RuntimeError: custom autograd Function PhimoeMultiplier")
+    assert lines[2].startswith("  fx: torch.fx cannot trace PhimoeForCausalLM.forward, which a")
+    assert "co_varnames is too small" in lines[2]
+    assert lines[3].startswith("remedy: ") and "torch.no_grad()" in lines[3]
+
+
+@pytest.mark.slow
+def test_hf_collated_batch_as_example_input_is_refused_with_a_remedy_that_works() -> None:
+    model = gpt2()
+    batch = inputs(True)
+    with pytest.raises(fxpipe.errors.InputError) as info:
+        fxpipe.plan(model, batch, ["cpu"] * 2)
+    message = str(info.value)
+    assert "'input_ids', 'attention_mask', 'labels'" in message
+    assert "example_input=(), example_kwargs=batch" in message
+    plan = fxpipe.plan(model, (), ["cpu"] * 2, example_kwargs=batch)  # the remedy
+    assert plan.num_stages == 2
+
+
+def gpt_neo() -> nn.Module:
+    config = transformers.GPTNeoConfig(
+        num_layers=2, hidden_size=32, num_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+        attention_types=[[["global", "local"], 1]], window_size=4, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPTNeoForCausalLM(config)
+
+
+@pytest.mark.slow
+def test_hf_gpt_neo_evaluated_after_a_training_step_equals_eager() -> None:
+    """GPT-Neo's attention makes its mask value in forward (a constant of the graph): the
+    eval variant (traced on the model on one device, on meta on several, where it takes its
+    values from the first trace) computes with it."""
+    torch.manual_seed(0)
+    model = gpt_neo().train()
+    eager = copy.deepcopy(model)
+    ids = torch.randint(1, VOCAB, (BATCH, LENGTH))
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2)
+    got, want = pipe(ids, labels=ids), eager(ids, labels=ids)
+    assert relative_error(got.logits, want.logits) < 1e-5
+    assert relative_error(got.loss, want.loss) < 1e-5
+    got.loss.backward()
+    want.loss.backward()
+    for (path, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert relative_error(p.grad, q.grad) < 1e-5, path
+    for module in (model, eager):
+        torch.optim.SGD(module.parameters(), lr=0.1).step()
+        module.zero_grad()
+
+    pipe.eval()
+    eager.eval()
+    with torch.no_grad():
+        assert relative_error(pipe(ids).logits, eager(ids).logits) < 1e-5
+        got, want = pipe(ids, labels=ids), eager(ids, labels=ids)
+    assert relative_error(got.logits, want.logits) < 1e-5
+    assert relative_error(got.loss, want.loss) < 1e-5

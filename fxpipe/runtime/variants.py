@@ -8,7 +8,9 @@ values of the non-tensor ones. So a pipeline keeps one :class:`Variant` per (the
 flag of every module of the model, the call's structure), and picks the one that fits each
 call. A call that none fits gets a new one: the model is traced again as it is now, for that
 call, and the trace is split along the first variant's borders
-(:mod:`fxpipe.passes.split.follow`), so every Parameter stays on the device it already lives on.
+(:mod:`fxpipe.passes.split.follow`), so every Parameter stays on the device it already lives on;
+a tensor the model makes in forward, which that trace (on ``meta``) keeps without values, takes
+them from the same constant of the first trace (:mod:`fxpipe.trace.constants`).
 Where the new graph is the same as one already made (an fx graph whose dropout is a module,
 which follows ``eval()`` by itself), that variant's stages are reused.
 """
@@ -185,7 +187,8 @@ def check_placement(
                         f"other arguments) made a constant tensor ({attr!r}, stage {j}) while "
                         "it was traced on 'meta' (its weights live on several devices), "
                         "where that constant has no values (a tensor the model's code makes "
-                        "in forward, which the trace keeps as a constant); build a pipeline "
+                        "in forward, which the trace keeps as a constant), and the first "
+                        "trace made none like it to take them from; build a pipeline "
                         "with the model in this mode and with these arguments (for "
                         "evaluation: model.eval() before fxpipe.pipeline)"
                     )
