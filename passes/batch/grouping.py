@@ -190,6 +190,8 @@ class _SortProof:
         """Tag ``n`` from its tagged inputs, or say why it reads them in a way not known."""
         name, tags = op_name(n), {self.tags[a.name] for a in tagged}
         rule = _RULES.get(name)
+        if rule is None and name.endswith("_") and name[:-1] in _ROW_WISE:
+            rule = _row_wise  # in place (out.add_(bias)): written row by row as well
         tag = rule(self, n, tags) if rule is not None else None
         if tag is None:
             shown = ", ".join(a.name for a in tagged)
@@ -210,7 +212,19 @@ def _getitem(p: _SortProof, n: fx.Node, tags: set[str]) -> str | None:
         return "keys" if index == 0 else "perm"
     if tags == {"sorted"} and isinstance(index, int):  # a piece of a chunk or split
         return "sorted"
+    if tags <= {"sorted", "keys"} and _keeps_rows(index):  # x[..., ::2], x[:, 0]
+        return "sorted"
     return _index(p, n, tags)
+
+
+def _keeps_rows(index: Any) -> bool:
+    """Whether an index of constants leaves dimension 0 whole and in place."""
+    if not isinstance(index, tuple) or len(index) < 2:
+        return False
+    if any(isinstance(i, fx.Node) for i in index):
+        return False
+    first = index[0]
+    return first is Ellipsis or (isinstance(first, slice) and first == slice(None))
 
 
 def _floor_divide(p: _SortProof, n: fx.Node, tags: set[str]) -> str | None:
@@ -306,6 +320,15 @@ def _split_along_features(p: _SortProof, n: fx.Node, tags: set[str]) -> str | No
     return None
 
 
+def _slice_features(p: _SortProof, n: fx.Node, tags: set[str]) -> str | None:
+    """A slice, narrowing or selection along a dimension that is not the rows'."""
+    dim = _dim(n, 1, "dim", 0)
+    shapes = _shapes(p.roles, n.args[0])
+    if tags <= {"sorted", "keys"} and shapes is not None and isinstance(dim, int):
+        return "sorted" if dim % len(shapes[0]) != 0 else None
+    return None
+
+
 def _unsqueeze(p: _SortProof, n: fx.Node, tags: set[str]) -> str | None:
     dim = _dim(n, 1, "dim", 0)
     return "sorted" if tags <= {"sorted", "keys"} and isinstance(dim, int) and dim != 0 else None
@@ -366,6 +389,9 @@ _RULES: dict[str, Any] = {
     "split": _split_along_features,
     "split_with_sizes": _split_along_features,
     "unsqueeze": _unsqueeze,
+    "slice": _slice_features,
+    "narrow": _slice_features,
+    "select": _slice_features,
     "empty_like": _empty_like,
     "index_put_": _index_put,
     "index_put": _index_put,
