@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from fxpipe.views.cli import main
+from fxpipe.command.cli import main
 
 __all__ = ["main"]
 

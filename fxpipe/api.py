@@ -56,6 +56,7 @@ from fxpipe.passes.split.codegen import split_stages
 from fxpipe.passes.split.follow import follow_borders
 from fxpipe.passes.split.plan import build_plan, training_overflow
 from fxpipe.pipeline import Pipeline
+from fxpipe.progress import phase, pricing_progress
 from fxpipe.trace.batch_checks import check_micro_batches
 from fxpipe.trace.constants import fill_meta_constants, place_constants
 from fxpipe.trace.example_checks import (
@@ -65,7 +66,6 @@ from fxpipe.trace.example_checks import (
     with_reductions,
 )
 from fxpipe.trace.tracing import Traced, fake_runnable, trace
-from fxpipe.views.progress import phase, pricing_progress
 from fxpipe.weights.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
 
 __all__ = ["plan", "pipeline", "compile_model", "Compiled"]

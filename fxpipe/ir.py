@@ -10,6 +10,7 @@ Terms used across the package:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from os import PathLike
@@ -48,7 +49,6 @@ __all__ = [
     "PRICING_MODES",
     "TRACERS",
     "TRAFFIC",
-    "show_plans_with",
 ]
 
 #: Which micro-batches a stage checkpoints in training (recomputing their forward in
@@ -167,31 +167,21 @@ class BoundaryEdge:
     bytes: int
 
 
-#: How a plan is shown (``summary``, ``to_dot``, ``draw``): given by :mod:`fxpipe.views` when
-#: it is imported (``import fxpipe`` imports it), so that the records every step shares
-#: import none of the steps.
-_PLAN_VIEWS: dict[str, Callable[..., Any]] = {}
-
-
-def show_plans_with(
-    *,
-    summary: Callable[..., str],
-    to_dot: Callable[..., str],
-    draw: Callable[..., Path],
-    configurations: Callable[..., ConfigurationTable],
-    table: Callable[..., str],
-) -> None:
-    """Set the functions :class:`PipelinePlan`'s ``summary``, ``to_dot``, ``draw`` and
-    ``configurations`` call, and the one :class:`ConfigurationTable` is shown with."""
-    _PLAN_VIEWS.update(
-        summary=summary, to_dot=to_dot, draw=draw, configurations=configurations, table=table
-    )
+#: How a plan is shown: the function of :mod:`fxpipe.views` each of ``summary``, ``to_dot``,
+#: ``draw``, ``configurations`` (and a ConfigurationTable's ``table``) calls, found by name
+#: when first asked for, so that the records every step shares import none of the steps and
+#: need nothing imported before them.
+_PLAN_VIEWS = {
+    "summary": "plan_summary",
+    "to_dot": "plan_to_dot",
+    "draw": "draw_plan",
+    "configurations": "plan_configurations",
+    "table": "configuration_table",
+}
 
 
 def _shown_by(name: str) -> Callable[..., Any]:
-    view = _PLAN_VIEWS.get(name)
-    if view is None:
-        raise RuntimeError(f"no view of plans is set for {name!r}: import fxpipe first")
+    view: Callable[..., Any] = getattr(importlib.import_module("fxpipe.views"), _PLAN_VIEWS[name])
     return view
 
 

@@ -147,14 +147,14 @@ def test_passes_never_import_the_runtime_or_the_api(path: Path) -> None:
 #: those below only (the README's "How it works" draws them). The passes import the first
 #: layer alone (above), and the runtime and the Pipeline never import a pass.
 LAYERS: list[tuple[str, ...]] = [
-    ("fxpipe.errors", "fxpipe.ir", "fxpipe.model_state"),
+    ("fxpipe.errors", "fxpipe.ir", "fxpipe.model_state", "fxpipe.progress"),
     ("fxpipe.passes", "fxpipe.devices"),
     ("fxpipe.trace", "fxpipe.options", "fxpipe.interop"),
-    ("fxpipe.runtime", "fxpipe.weights.materialise"),
+    ("fxpipe.runtime", "fxpipe.weights"),
     ("fxpipe.pipeline",),
-    ("fxpipe.views", "fxpipe.weights.loading"),
+    ("fxpipe.views",),
     ("fxpipe.api", "fxpipe.distributed"),
-    ("fxpipe", "fxpipe.__main__", "fxpipe.views.cli"),  # the command line: the package's user
+    ("fxpipe", "fxpipe.__main__", "fxpipe.command"),  # the command line: the package's user
 ]
 NEVER_A_PASS = ("fxpipe.runtime", "fxpipe.pipeline")
 
@@ -472,3 +472,31 @@ def test_every_pass_module_has_a_test_file(stem: str) -> None:
 
 def test_tested_with_names_only_pass_modules() -> None:
     assert set(TESTED_WITH) <= set(PASS_STEMS), set(TESTED_WITH) - set(PASS_STEMS)
+
+
+#: The modules that may import the package root: the command line, the package's own user.
+ROOT_USERS = ("fxpipe.__main__", "fxpipe.command")
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_below_the_root_imports_it_and_the_runtime_never_imports_the_pipeline(
+    path: Path,
+) -> None:
+    """The package root and ``fxpipe.pipeline`` are imported from above only: no module
+    below the root imports ``fxpipe`` itself (but the command line), and the runtime and
+    the weights' loading import no ``Pipeline`` (they read what they need of it)."""
+    me = _module_name(path)
+    names = _imported_modules(path)
+    if me != "fxpipe" and not me.startswith(ROOT_USERS):
+        assert "fxpipe" not in names, f"{me} imports the package root"
+    if me.startswith(("fxpipe.runtime", "fxpipe.weights")):
+        assert not any(n == "fxpipe.pipeline" or n.startswith("fxpipe.pipeline.") for n in names)
+
+
+def test_a_plan_shows_itself_through_the_views_it_names() -> None:
+    """The records name the views that show a plan, which exist (and import none of them)."""
+    import fxpipe.ir as ir
+    import fxpipe.views as views
+
+    for name, function in ir._PLAN_VIEWS.items():
+        assert callable(getattr(views, function)), name

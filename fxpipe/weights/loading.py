@@ -25,13 +25,12 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fxpipe.errors import CheckpointError, ConfigError
-from fxpipe.pipeline import Pipeline
-from fxpipe.weights.materialise import shown
+from fxpipe.weights.materialise import Materialised, shown
 
 __all__ = ["load_checkpoint"]
 
@@ -45,7 +44,17 @@ LAYOUTS = (
 )
 
 
-def load_checkpoint(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
+class Loadable(Protocol):
+    """What loading reads of a pipeline: the user's model and what was made on ``meta``
+    (``fxpipe.Pipeline`` has both)."""
+
+    module: torch.nn.Module
+
+    @property
+    def materialised(self) -> Materialised: ...
+
+
+def load_checkpoint(pipe: Loadable, path: str | os.PathLike[str]) -> None:
     """Copy the checkpoint at ``path`` into the pipeline's parameters and buffers, in place.
 
     ``path`` is a ``torch.save`` file of the model's state dict, a ``.safetensors`` file, or
@@ -63,7 +72,7 @@ def load_checkpoint(pipe: Pipeline, path: str | os.PathLike[str]) -> None:
             package is missing for a ``.safetensors`` file, a file is not a state dict, or
             keys or shapes differ from the model's (all checked before anything is copied).
     """
-    if not isinstance(pipe, Pipeline):
+    if not isinstance(getattr(pipe, "materialised", None), Materialised):
         raise ConfigError(
             f"pipe is a {type(pipe).__name__}, not an fxpipe.Pipeline; pass the pipeline "
             "fxpipe.pipeline() returned (a plain module loads with "
@@ -262,7 +271,7 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _targets(pipe: Pipeline) -> dict[str, torch.Tensor]:
+def _targets(pipe: Loadable) -> dict[str, torch.Tensor]:
     """Key -> the model's own tensor: every key of ``state_dict()`` (tied ones included),
     and the non-persistent buffers made from ``meta``."""
     model = pipe.module
@@ -273,7 +282,7 @@ def _targets(pipe: Pipeline) -> dict[str, torch.Tensor]:
 
 
 def _check_fit(
-    path: Path, shards: list[_Shard], targets: Mapping[str, torch.Tensor], pipe: Pipeline
+    path: Path, shards: list[_Shard], targets: Mapping[str, torch.Tensor], pipe: Loadable
 ) -> None:
     """CheckpointError naming the missing and unexpected keys and the shapes that differ."""
     shapes: dict[str, tuple[int, ...]] = {}

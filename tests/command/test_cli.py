@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import fxpipe
+from fxpipe.command import cli
+from fxpipe.command.factory import load_factory, parse_shape
 from fxpipe.ir import CheckpointMode, CostMode, TracerName
-from fxpipe.views import cli
-from fxpipe.views.factory import load_factory, parse_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 FACTORY = "examples/factories.py:unet"

@@ -17,9 +17,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import fxpipe
+from fxpipe.command.factory import build_model, eval_input, parse_devices, parse_shape
 from fxpipe.errors import ConfigError, FxPipeError
 from fxpipe.ir import CheckpointMode, CostMode, TracerName
-from fxpipe.views.factory import build_model, eval_input, parse_devices, parse_shape
 
 __all__ = ["main"]
 
@@ -249,7 +249,7 @@ def _write(outputs: dict[str, Path], args: argparse.Namespace, plan: Any, timeli
 def _progress(label: str, stream: TextIO) -> Iterator[None]:
     """On a terminal, keep one status line on ``stream`` while the block runs: the planning
     phase, a bar of the nodes priced, the seconds so far (from the records of the ``fxpipe``
-    logger, :mod:`fxpipe.views.progress`); elsewhere print nothing."""
+    logger, :mod:`fxpipe.progress`); elsewhere print nothing."""
     if not stream.isatty():
         yield
         return

@@ -10,7 +10,7 @@ import pytest
 from models import ZOO
 
 import fxpipe
-from fxpipe.views import cli
+from fxpipe.command import cli
 
 PHASES = ("trace", "check", "price", "partition", "split")
 
