@@ -18,9 +18,9 @@ Installed as ``fxpipe.passes``; import it only under that name. A folder per ste
 4. ``batch`` (between trace and price): ``roles.batch_roles`` says which values grow with
    the batch, ``grouping.row_grouping`` tells a computation that only groups the batch's
    rows (a Mixture-of-Experts layer's tokens sorted by expert) from one that mixes them,
-   ``reductions.check_no_batch_mixing`` refuses a reduction read back per sample, and
+   ``mixing.check_no_batch_mixing`` refuses a reduction read back per sample, and
    ``reductions.split_reductions`` computes a loss inside the model from partial sums per
-   micro-batch.
+   micro-batch (the partial forms ``losses`` knows).
 5. ``configure`` (over 1 to 3): ``step_time.predict_step`` replays the clock-cycle schedule
    on a plan's stage costs (bubble, shared devices, recomputation, the runtime's costs),
    and ``choose.choose_configuration(planner, counts, modes, ...)`` keeps the fastest

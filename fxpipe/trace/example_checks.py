@@ -22,7 +22,8 @@ from torch.utils._pytree import (
 
 from fxpipe.errors import InputError, PlanError
 from fxpipe.passes.batch.grouping import row_grouping
-from fxpipe.passes.batch.reductions import check_no_batch_mixing, split_reductions
+from fxpipe.passes.batch.mixing import check_no_batch_mixing
+from fxpipe.passes.batch.reductions import split_reductions
 from fxpipe.passes.batch.roles import batch_roles
 from fxpipe.passes.ops import module_path, op_name
 from fxpipe.passes.price.recorded import recorded_outputs

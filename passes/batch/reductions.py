@@ -23,7 +23,6 @@ model's result.
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -32,141 +31,28 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-from torch import nn
-from torch.nn import _reduction as legacy
 
 from fxpipe.errors import PlanError
 from fxpipe.ir import Finalize, Join
-from fxpipe.passes.batch.grouping import RowGrouping, row_grouping
-from fxpipe.passes.batch.roles import SHAPE_ONLY_OPS, BatchRoles
+from fxpipe.passes.batch.losses import (
+    CLASS_LOSSES,
+    ENUM,
+    Loss,
+    batch_rows,
+    broadcast,
+    class_count,
+    counts,
+    dims_of,
+    element_count,
+    loss_of,
+    reduced_count,
+    where,
+)
+from fxpipe.passes.batch.roles import BatchRoles
 from fxpipe.passes.ops import op_name
 from fxpipe.passes.split.placement import retarget
 
-__all__ = ["split_reductions", "check_no_batch_mixing", "class_count", "element_count"]
-
-
-# ------------------------------------------------------------------ counts the stages compute
-
-
-def reduced_count(x: torch.Tensor, dim: Any = None) -> int:
-    """How many elements of ``x`` a mean over ``dim`` (None or []: all) averages."""
-    return int(math.prod(x.shape[d] for d in _dims(x, dim)))
-
-
-def _dims(x: torch.Tensor, dim: Any) -> list[int]:
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        return list(range(x.ndim))
-    return [dim] if isinstance(dim, int) else list(dim)
-
-
-def class_count(
-    input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int
-) -> torch.Tensor:
-    """What ``cross_entropy``'s and ``nll_loss``'s mean divides by: the summed class weight
-    of the targets not ignored (their number without weights); for targets given as
-    probabilities, the number of samples (every position but the class dimension)."""
-    if target.is_floating_point():
-        classes = input.shape[1] if input.ndim > 1 else input.shape[0]
-        return torch.tensor(input.numel() // classes, dtype=input.dtype, device=input.device)
-    keep = target != ignore_index
-    if weight is None:
-        return keep.sum().to(input.dtype)
-    picked = weight.to(input.dtype)[torch.where(keep, target, 0)]
-    return (picked * keep).sum()
-
-
-def element_count(input: torch.Tensor, target: torch.Tensor) -> int:
-    """What an element-wise loss's mean divides by: the elements of input and target
-    broadcast together."""
-    return int(math.prod(_broadcast(input.shape, target.shape)))
-
-
-def _broadcast(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
-    """The shape ``a`` and ``b`` broadcast to (sizes may be symbolic)."""
-    n = max(len(a), len(b))
-    a, b = [1] * (n - len(a)) + list(a), [1] * (n - len(b)) + list(b)
-    return [y if x == 1 else x for x, y in zip(a, b, strict=True)]
-
-
-def batch_rows(input: torch.Tensor) -> int:
-    """What ``kl_div(..., reduction="batchmean")`` divides by: the input's first size."""
-    return int(input.shape[0]) if input.ndim else 1
-
-
-# ------------------------------------------------------------------ which reductions are known
-
-#: aten loss ops (torch.export) and torch.nn.functional losses (torch.fx), by name.
-_CLASS_LOSSES = frozenset({"cross_entropy_loss", "nll_loss_nd", "cross_entropy", "nll_loss"})
-_ELEMENT_LOSSES = frozenset(
-    "mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy "
-    "binary_cross_entropy_with_logits kl_div soft_margin_loss".split()
-)
-#: Loss modules (torch.fx leaves) -> the functional they compute.
-_LOSS_MODULES: dict[type[nn.Module], Callable[..., Any]] = {
-    nn.CrossEntropyLoss: F.cross_entropy,
-    nn.NLLLoss: F.nll_loss,
-    nn.MSELoss: F.mse_loss,
-    nn.L1Loss: F.l1_loss,
-    nn.SmoothL1Loss: F.smooth_l1_loss,
-    nn.HuberLoss: F.huber_loss,
-    nn.BCELoss: F.binary_cross_entropy,
-    nn.BCEWithLogitsLoss: F.binary_cross_entropy_with_logits,
-    nn.KLDivLoss: F.kl_div,
-    nn.SoftMarginLoss: F.soft_margin_loss,
-}
-_ENUM = {"none": 0, "mean": 1, "sum": 2}
-
-
-@dataclass(frozen=True)
-class _Loss:
-    """A loss node's arguments by name, and how its reduction is written."""
-
-    name: str
-    args: dict[str, Any]
-    #: "enum" (aten: 0/1/2), "string" (torch.nn.functional), "module" (a loss module).
-    style: str
-    reduction: str
-
-
-def _loss(gm: fx.GraphModule, node: fx.Node) -> _Loss | None:
-    """The loss ``node`` computes, with its arguments by name; None for anything else."""
-    args: dict[str, Any]
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        functional = _LOSS_MODULES.get(type(module))
-        if functional is None:
-            return None
-        params = list(inspect.signature(type(module).forward).parameters)[1:]
-        args = dict(zip(params, node.args))
-        args.update(node.kwargs)
-        for extra in ("weight", "ignore_index", "label_smoothing", "pos_weight"):
-            if hasattr(module, extra):
-                args[extra] = getattr(module, extra)
-        return _Loss(functional.__name__, args, "module", str(module.reduction))
-    name = op_name(node)
-    if node.op != "call_function" or name not in _CLASS_LOSSES | _ELEMENT_LOSSES:
-        return None
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        schema = list(target._schema.arguments)
-        args = {a.name: a.default_value for a in schema if a.has_default_value()}
-        args.update(zip((a.name for a in schema), node.args))
-        args.update(node.kwargs)
-        args["input"] = args.pop("self")
-        reduction = {v: k for k, v in _ENUM.items()}.get(int(args["reduction"]), "?")
-        return _Loss(name, args, "enum", reduction)
-    try:
-        bound = inspect.signature(target).bind(*node.args, **node.kwargs)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()
-    args = dict(bound.arguments)
-    if args.get("size_average") is not None or args.get("reduce") is not None:
-        reduction = legacy.legacy_get_string(args.get("size_average"), args.get("reduce"))
-    else:
-        reduction = str(args.get("reduction", "mean"))
-    return _Loss(name, args, "string", reduction)
+__all__ = ["split_reductions"]
 
 
 # ------------------------------------------------------------------ the pass
@@ -200,7 +86,7 @@ def split_reductions(
     the per-sample outputs, then the partial sums and counts, and the Finalize that joins
     them into the model's outputs. Raises PlanError for a reduction that micro-batches
     cannot give exactly. ``gm`` is not modified. What mixes the batch's samples is
-    :func:`check_no_batch_mixing`'s to refuse, first.
+    :func:`fxpipe.passes.batch.mixing.check_no_batch_mixing`'s to refuse, first.
     """
     output = _output(gm)
     leaves: list[Any] = list(output.args[0])  # type: ignore[arg-type]
@@ -215,50 +101,6 @@ def split_reductions(
     for node in cut.frontier:
         _partial_kind(gm, node, names)  # refuse an unknown reduction before building
     return _build(gm, cut, leaves, reduced, names)
-
-
-def check_no_batch_mixing(gm: fx.GraphModule, roles: BatchRoles) -> RowGrouping:
-    """PlanError where a per-sample value is computed from a reduction over the batch
-    (``x - x.mean(0)``, ``h + x[0]``) or scaled by the batch size (``x / x.shape[0]``):
-    each micro-batch would use its own, so the result would differ from the model's. A
-    grouped product reading the offsets of the rows it groups is not such a value
-    (:mod:`fxpipe.passes.batch.grouping`). Returns what the grouping analysis found: the ops
-    along the batch's rows that mix it (a router's capacity over the whole batch), which
-    micro-batches each compute on their own rows."""
-    grouping = row_grouping(gm, roles)
-    for node in gm.graph.nodes:
-        if node.op in ("output", "placeholder", "get_attr") or roles.of(node) != "batched":
-            continue
-        if op_name(node) in SHAPE_ONLY_OPS or not roles.seen[node.name][0][0]:
-            continue
-        for arg in node.all_input_nodes:
-            if node.name in grouping.grouped and arg.name in grouping.grouping:
-                continue  # the offsets of the rows it groups: each row by its own key
-            if roles.of(arg) == "reduced":
-                raise PlanError(
-                    f"{_where(node)} computes per-sample values from {arg.name!r} "
-                    f"({_where(arg)}), which depends on the whole batch: each micro-batch "
-                    "would use its own; compute it outside the model, or pass chunks=1 to "
-                    "run whole batches"
-                )
-        if op_name(node) in _SCALING and _scaled_by_batch(node, roles):
-            raise PlanError(
-                f"{_where(node)} scales per-sample values by the batch size: each "
-                "micro-batch would use its own size; compute it outside the model, or pass "
-                "chunks=1 to run whole batches"
-            )
-    return grouping
-
-
-_SCALING = frozenset({"mul", "div", "true_divide", "truediv", "floordiv", "floor_divide"})
-
-
-def _scaled_by_batch(node: fx.Node, roles: BatchRoles) -> bool:
-    return any(
-        not roles.seen[a.name][0][0] and roles.grows(a)
-        for a in node.all_input_nodes
-        if roles.of(a) == "batched"
-    )
 
 
 def _find_cut(
@@ -285,14 +127,14 @@ def _find_cut(
         if node.op == "placeholder" or (role == "batched" and tensor):
             if role == "batched":  # only a reduction reads rows; it stops the walk first
                 raise PlanError(
-                    f"output {output} reads {_where(node)} whole, a per-sample value; "
+                    f"output {output} reads {where(node)} whole, a per-sample value; "
                     "return it batch-first, or pass chunks=1 to run whole batches"
                 )
             inputs.add(node)
         elif role == "batched":
             if not roles.grows(node):
                 raise PlanError(
-                    f"output {output} depends on {_where(node)}, a number that changes "
+                    f"output {output} depends on {where(node)}, a number that changes "
                     "with the batch size but is not proportional to it, so micro-batches "
                     "cannot add up to it; compute it outside the model, or pass chunks=1 "
                     "to run whole batches"
@@ -315,7 +157,7 @@ def _find_cut(
         for user in node.users:
             if user.op != "output" and user not in finish:
                 raise PlanError(
-                    f"{_where(node)} reduces over the batch and is read both by the model's "
+                    f"{where(node)} reduces over the batch and is read both by the model's "
                     f"outputs and by {user.name!r}; compute it outside the model, or pass "
                     "chunks=1 to run whole batches"
                 )
@@ -333,15 +175,15 @@ def _partial_kind(gm: fx.GraphModule, node: fx.Node, names: Sequence[str]) -> st
     name = op_name(node)
     if node.op in ("call_function", "call_method") and name in ("sum", "mean"):
         return name
-    if node.op in ("call_function", "call_method") and _counts(node):
+    if node.op in ("call_function", "call_method") and counts(node):
         return "sum"
-    loss = _loss(gm, node)
+    loss = loss_of(gm, node)
     if loss is not None and loss.reduction in ("sum", "mean", "batchmean"):
         return "sum" if loss.reduction == "sum" else "loss"
     why = (
         f"a {loss.name} with reduction={loss.reduction!r}"
         if loss is not None
-        else f"{_where(node)}, an op whose result over a batch micro-batches cannot add up to"
+        else f"{where(node)}, an op whose result over a batch micro-batches cannot add up to"
     )
     outputs = ", ".join(_outputs_of(gm, node, names)) or "an output"
     raise PlanError(
@@ -350,29 +192,6 @@ def _partial_kind(gm: fx.GraphModule, node: fx.Node, names: Sequence[str]) -> st
         "exactly; return per-sample values (batch first) and reduce outside the model, or "
         "pass chunks=1 to run whole batches"
     )
-
-
-#: Ops that add a batch's rows into bins of a fixed table (a router's tokens per expert).
-_ADDS_INTO = frozenset({"scatter_add", "scatter_add_", "index_add", "index_add_"})
-#: Ops that make a table of zeros.
-_ZEROS = frozenset({"zeros", "zeros_like", "new_zeros"})
-
-
-def _counts(node: fx.Node) -> bool:
-    """Whether ``node`` is a histogram of the batch over a fixed range (``histc`` with
-    ``min < max``: each micro-batch's counts add up to the batch's), or adds the batch's rows
-    into a table of zeros (``zeros(E).scatter_add_(0, expert, weight)``: the same sum)."""
-    name = op_name(node)
-    if name == "histc":
-        low = node.args[2] if len(node.args) > 2 else node.kwargs.get("min", 0)
-        high = node.args[3] if len(node.args) > 3 else node.kwargs.get("max", 0)
-        if isinstance(low, int | float) and isinstance(high, int | float):
-            return bool(low < high)
-        return False
-    if name in _ADDS_INTO:
-        table = node.args[0] if node.args else node.kwargs.get("input")
-        return isinstance(table, fx.Node) and op_name(table) in _ZEROS
-    return False
 
 
 def _outputs_of(gm: fx.GraphModule, node: fx.Node, names: Sequence[str]) -> list[str]:
@@ -449,11 +268,11 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, kind: str) -> tuple[str, list[fx
         _to_sum(node)
         with graph.inserting_before(node.next):
             count = graph.call_function(reduced_count, (x, dim))
-        _set_val(count, lambda v, d: math.prod(v.shape[k] for k in _dims(v, d)), x, dim)
+        _set_val(count, lambda v, d: math.prod(v.shape[k] for k in dims_of(v, d)), x, dim)
         return "ratio", [node, count]
-    loss = _loss(gm, node)
+    loss = loss_of(gm, node)
     assert loss is not None
-    _to_summed_loss(gm, node, loss)
+    _to_summedloss_of(gm, node, loss)
     with graph.inserting_before(node.next):
         count = _count_node(gm, node, loss)
     return "ratio", [node, count]
@@ -472,7 +291,7 @@ def _to_sum(node: fx.Node) -> None:
         node.target = torch.sum
 
 
-def _to_summed_loss(gm: fx.GraphModule, node: fx.Node, loss: _Loss) -> None:
+def _to_summedloss_of(gm: fx.GraphModule, node: fx.Node, loss: Loss) -> None:
     """A loss node made to sum instead of average (same arguments otherwise)."""
     if loss.style == "enum":
         target = node.target
@@ -480,10 +299,10 @@ def _to_summed_loss(gm: fx.GraphModule, node: fx.Node, loss: _Loss) -> None:
         position = [a.name for a in target._schema.arguments].index("reduction")
         args = list(node.args)
         if position < len(args):
-            args[position] = _ENUM["sum"]
+            args[position] = ENUM["sum"]
             node.args = tuple(args)
         else:
-            node.kwargs = {**node.kwargs, "reduction": _ENUM["sum"]}
+            node.kwargs = {**node.kwargs, "reduction": ENUM["sum"]}
     elif loss.style == "string":  # every torch.nn.functional loss takes keywords
         named = {**loss.args, "reduction": "sum"}
         named.update({k: None for k in ("size_average", "reduce") if k in named})
@@ -498,7 +317,7 @@ def _to_summed_loss(gm: fx.GraphModule, node: fx.Node, loss: _Loss) -> None:
         node.target = name
 
 
-def _count_node(gm: fx.GraphModule, node: fx.Node, loss: _Loss) -> fx.Node:
+def _count_node(gm: fx.GraphModule, node: fx.Node, loss: Loss) -> fx.Node:
     """A node computing what ``loss``'s mean divides by, from ``node``'s own inputs."""
     graph = gm.graph
     x, target = _arg(node, loss, "input", 0), _arg(node, loss, "target", 1)
@@ -506,7 +325,7 @@ def _count_node(gm: fx.GraphModule, node: fx.Node, loss: _Loss) -> fx.Node:
         count = graph.call_function(batch_rows, (x,))
         _set_val(count, lambda v: v.shape[0], x)
         return count
-    if loss.name in _CLASS_LOSSES:
+    if loss.name in CLASS_LOSSES:
         weight = loss.args.get("weight")
         if isinstance(weight, torch.Tensor):  # a loss module's weight buffer
             weight = graph.get_attr(f"{node.target}.weight")
@@ -515,11 +334,11 @@ def _count_node(gm: fx.GraphModule, node: fx.Node, loss: _Loss) -> fx.Node:
         _set_val(count, lambda v: v.new_empty(()), x)
         return count
     count = graph.call_function(element_count, (x, target))
-    _set_val(count, lambda v, t: math.prod(_broadcast(v.shape, t.shape)), x, target)
+    _set_val(count, lambda v, t: math.prod(broadcast(v.shape, t.shape)), x, target)
     return count
 
 
-def _arg(node: fx.Node, loss: _Loss, name: str, position: int) -> Any:
+def _arg(node: fx.Node, loss: Loss, name: str, position: int) -> Any:
     if loss.style == "module":
         return node.args[position] if len(node.args) > position else node.kwargs[name]
     return loss.args[name]
@@ -597,13 +416,3 @@ def _free_name(gm: fx.GraphModule, base: str) -> str:
 def _output(gm: fx.GraphModule) -> fx.Node:
     node: fx.Node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return node
-
-
-def _where(node: fx.Node) -> str:
-    """``'mean_1' (aten.mean.dim in module 'head')``: a node as a message names it."""
-    stack = node.meta.get("nn_module_stack")
-    module = str(list(stack.values())[-1][0]) if stack else ""
-    if node.op == "call_module":
-        module = str(node.target)
-    what = op_name(node)
-    return f"{node.name!r} ({what}{f' in module {module!r}' if module else ''})"

@@ -4,8 +4,6 @@ the sizes its plan cuts divided by tp."""
 from __future__ import annotations
 
 import copy
-import operator
-from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -14,29 +12,24 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import ConfigError
-from fxpipe.passes.ops import is_check, op_name
+from fxpipe.passes.ops import is_check
 from fxpipe.passes.tensor.cut_modules import (
     Cut,
     CutEmbedding,
     CutInOut,
     CutLinear,
-    ReplicatedRead,
-    SequenceEntry,
-    gathered,
-    local,
+)
+from fxpipe.passes.tensor.local_regions import on_sequence, partial_reads
+from fxpipe.passes.tensor.local_sizes import (
+    cut_graph_sizes,
+    cut_sizes,
+    read_whole_sizes,
+    whole_shape,
 )
 from fxpipe.passes.tensor.products import Embedding, Product, find_embeddings, find_products
-from fxpipe.passes.tensor.records import Shard, TensorPlan
-from fxpipe.passes.tensor.sequence import NORM_MODULES, whole_readers
+from fxpipe.passes.tensor.records import TensorPlan
 
-__all__ = ["local_program", "cut_sizes", "whole_shape"]
-
-#: Ops whose size arguments name their output's sizes (the cut one divided by tp).
-_SIZED = frozenset({"view", "reshape", "_unsafe_view", "expand"})
-#: Ops whose size arguments name the pieces of their input along ``dim``.
-_SPLIT = frozenset({"split", "split_with_sizes"})
-#: Ops that take a range of their input along a dimension (whole parts of a cut one).
-_SLICE = frozenset({"slice", "narrow", "getitem"})
+__all__ = ["local_program", "cut_sizes", "whole_shape"]  # the sizes: from local_sizes
 
 
 def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
@@ -72,14 +65,14 @@ def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
     copied = {n.name: n for n in graph.nodes}
     if set(copied) != set(nodes):  # the copy keeps every name; the plan reads them
         raise AssertionError("copying the graph renamed its nodes")
-    _cut_sizes(graph, plan)
-    _read_whole_sizes(graph, plan)
+    cut_graph_sizes(graph, plan)
+    read_whole_sizes(graph, plan)
     _drop_checks_of_cut_values(graph, plan)
     pending = _call_modules(gm, graph, plan)
     _drop_dead_reads(gm, graph, [m for m, _ in pending.values()])
     installed = _place_modules(graph, pending)
-    installed.update(_on_sequence(gm, graph, plan, installed))
-    installed.update(_partial_reads(gm, graph, plan, installed))
+    installed.update(on_sequence(gm, graph, plan, installed))
+    installed.update(partial_reads(gm, graph, plan, installed))
     graph.lint()
     root: dict[str, Any] = {}
     for n in graph.nodes:
@@ -87,219 +80,6 @@ def local_program(gm: fx.GraphModule, plan: TensorPlan) -> fx.GraphModule:
             target = str(n.target)
             root[target] = installed[target] if target in installed else attrgetter(target)(gm)
     return fx.GraphModule(root, graph, class_name=type(gm).__name__)
-
-
-# --------------------------------------------------------------------------------- sizes
-
-
-def cut_sizes(sizes: int | Sequence[int], dim: int, tp: int) -> int | list[int]:
-    """``sizes`` (a view's shape, or one int) with the size at ``dim`` divided by ``tp``
-    (``-1``, inferred, left as it is)."""
-    if isinstance(sizes, int):
-        return sizes if sizes == -1 else sizes // tp
-    out = list(sizes)
-    if out[dim] != -1:
-        out[dim] //= tp
-    return out
-
-
-def cut_split_sizes(
-    x: torch.Tensor, sizes: int | Sequence[int], dim: int, cut: int, tp: int
-) -> int | list[int]:
-    """A split's ``sizes`` along ``dim`` of ``x``, divided by ``tp`` where ``dim`` is the cut
-    dimension ``cut``."""
-    if dim % x.dim() != cut:
-        return sizes if isinstance(sizes, int) else list(sizes)
-    return sizes // tp if isinstance(sizes, int) else [s // tp for s in sizes]
-
-
-def whole_shape(x: torch.Tensor, dim: int, tp: int) -> torch.Size:
-    """The whole sizes of a value cut along ``dim`` over ``tp`` ranks, from one rank's piece."""
-    sizes = list(x.shape)
-    sizes[dim] *= tp
-    return torch.Size(sizes)
-
-
-def _cut_sizes(graph: fx.Graph, plan: TensorPlan) -> None:
-    for n in list(graph.nodes):
-        if n.op not in ("call_function", "call_method"):
-            continue
-        name = op_name(n)
-        layout = plan.layouts.get(n.name)
-        if name in _SIZED and isinstance(layout, Shard):
-            _cut_shape_args(graph, n, layout.dim, plan.tp)
-        elif name in _SPLIT and isinstance(n.args[0], fx.Node):
-            source = plan.layouts.get(n.args[0].name)
-            if isinstance(source, Shard):
-                _cut_split_args(graph, n, source.dim, plan.tp)
-        elif name in _SLICE and layout is not None and isinstance(n.args[0], fx.Node):
-            source = plan.layouts.get(n.args[0].name)
-            if isinstance(source, Shard):
-                _cut_slice_args(n, source.dim, plan.tp)
-
-
-def _cut_shape_args(graph: fx.Graph, n: fx.Node, dim: int, tp: int) -> None:
-    """Divide the size at ``dim`` of a view, reshape or expand node's shape."""
-    args = list(n.args)
-    if "size" in n.kwargs or "shape" in n.kwargs:
-        key = "size" if "size" in n.kwargs else "shape"
-        kwargs = dict(n.kwargs)
-        kwargs[key] = _cut_shape(graph, n, kwargs[key], dim, tp)
-        n.kwargs = kwargs
-    elif n.op == "call_method" and len(args) > 2:  # x.view(b, t, h, d): sizes as arguments
-        args[1 + dim] = _divided(graph, n, args[1 + dim], tp)
-        n.args = tuple(args)
-    elif len(args) >= 2:
-        args[1] = _cut_shape(graph, n, args[1], dim, tp)
-        n.args = tuple(args)
-    else:
-        raise ConfigError(f"{n.format_node()} has no shape the tensor-parallel pass can cut")
-
-
-def _cut_shape(graph: fx.Graph, n: fx.Node, shape: Any, dim: int, tp: int) -> Any:
-    if isinstance(shape, (list, tuple)):
-        out = list(shape)
-        out[dim] = _divided(graph, n, out[dim], tp)
-        return type(shape)(out) if isinstance(shape, tuple) else out
-    if isinstance(shape, int) and dim == 0:
-        return _divided(graph, n, shape, tp)
-    with graph.inserting_before(n):  # a shape computed at run time
-        return graph.call_function(cut_sizes, (shape, dim, tp))
-
-
-def _divided(graph: fx.Graph, n: fx.Node, size: Any, tp: int) -> Any:
-    """One size divided by tp: an int now, a size computed at run time by a new node."""
-    if isinstance(size, fx.Node):
-        with graph.inserting_before(n):
-            return graph.call_function(operator.floordiv, (size, tp))
-    if isinstance(size, int):
-        if size == -1:
-            return size
-        if size % tp:
-            raise ConfigError(
-                f"{n.format_node()} names a size of {size} along the dimension the "
-                f"tensor-parallel plan cuts, which tp={tp} does not divide; plan with a tp "
-                "that divides it"
-            )
-        return size // tp
-    raise ConfigError(f"{n.format_node()}: the size {size!r} cannot be divided by tp={tp}")
-
-
-def _cut_split_args(graph: fx.Graph, n: fx.Node, cut: int, tp: int) -> None:
-    args, kwargs = list(n.args), dict(n.kwargs)
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    key = "split_size" if "split_size" in kwargs else "split_size_or_sections"
-    sizes = args[1] if len(args) > 1 else kwargs.get(key, kwargs.get("split_sizes"))
-    if isinstance(dim, int) and dim >= 0 and not isinstance(sizes, fx.Node):
-        if dim != cut:
-            return
-        if isinstance(sizes, (list, tuple)):
-            new: Any = [_divided(graph, n, s, tp) for s in sizes]
-        else:
-            new = _divided(graph, n, sizes, tp)
-    else:  # a negative or computed dim, or computed sizes: cut at run time
-        with graph.inserting_before(n):
-            new = graph.call_function(cut_split_sizes, (args[0], sizes, dim, cut, tp))
-    if len(args) > 1:
-        args[1] = new
-    else:
-        kwargs[key if key in kwargs else "split_sizes"] = new
-    n.args, n.kwargs = tuple(args), kwargs
-
-
-def _cut_slice_args(n: fx.Node, cut: int, tp: int) -> None:
-    """A slice (or index) of whole parts of the cut dimension (q of a fused q, k, v) takes
-    the rank's pieces of them: it becomes :func:`sliced_parts` (or :func:`indexed_parts`),
-    which divide its bounds by tp on the rank's piece."""
-    name, x = op_name(n), n.args[0]
-    if name == "getitem":
-        n.op, n.target, n.kwargs = "call_function", indexed_parts, {}
-        n.args = (x, n.args[1], cut, tp)
-        return
-    dim = arg_of(n, 1, "dim", 0)
-    if isinstance(dim, int) and 0 <= dim != cut:
-        return  # another dimension: as it was
-    if name == "narrow":
-        begin = arg_of(n, 2, "start", 0)
-        bounds = (begin, begin + arg_of(n, 3, "length", 0), 1)
-    else:
-        bounds = (arg_of(n, 2, "start", None), arg_of(n, 3, "end", None), arg_of(n, 4, "step", 1))
-    n.op, n.target, n.kwargs = "call_function", sliced_parts, {}
-    n.args = (x, dim, *bounds, cut, tp)
-
-
-def arg_of(n: fx.Node, index: int, key: str, default: Any) -> Any:
-    """Argument ``index`` or keyword ``key`` of ``n``."""
-    return n.args[index] if len(n.args) > index else n.kwargs.get(key, default)
-
-
-def sliced_parts(
-    x: torch.Tensor, dim: int, start: Any, stop: Any, step: Any, cut: int, tp: int
-) -> Any:
-    """``x[start:stop:step]`` along ``dim``, where ``x`` is one rank's piece of a value cut
-    along ``cut`` in parts; along ``cut`` the slice takes whole parts (unit step): the
-    rank's pieces of them."""
-    if dim % x.dim() != cut:
-        return x[(slice(None),) * (dim % x.dim()) + (slice(start, stop, step),)]
-    a, b, _ = slice(start, stop).indices(x.shape[cut] * tp)
-    return x.narrow(cut, a // tp, max(b - a, 0) // tp)
-
-
-def indexed_parts(x: torch.Tensor, index: Any, cut: int, tp: int) -> Any:
-    """``x[index]``, where ``x`` is one rank's piece of a value cut along ``cut`` in parts
-    and the index slices whole parts of it: the rank's pieces of them."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        used = sum(1 for i in items if i is not None and i is not Ellipsis)
-        items[at : at + 1] = [slice(None)] * (x.dim() - used)
-    dim = 0
-    for k, item in enumerate(items):
-        if item is None:
-            continue
-        if dim == cut and isinstance(item, slice):
-            a, b, _ = item.indices(x.shape[cut] * tp)
-            items[k] = slice(a // tp, a // tp + max(b - a, 0) // tp)
-            break
-        dim += 1
-    return x[tuple(items)]
-
-
-def _read_whole_sizes(graph: fx.Graph, plan: TensorPlan) -> None:
-    """Sizes read off a cut value read its whole sizes (the graph computes with them)."""
-    for n in list(graph.nodes):
-        if n.op not in ("call_function", "call_method") or not n.args:
-            continue
-        x = n.args[0]
-        layout = plan.layouts.get(x.name) if isinstance(x, fx.Node) else None
-        if not isinstance(layout, Shard):
-            continue
-        assert isinstance(x, fx.Node)
-        name, rest = op_name(n), list(n.args[1:])
-        if (name == "getattr" and rest == ["shape"]) or (name == "size" and not rest):
-            replacement = _whole(graph, n, x, layout.dim, plan.tp, None)
-        elif name in ("size", "sym_size") and len(rest) == 1:
-            replacement = _whole(graph, n, x, layout.dim, plan.tp, rest[0])
-        elif name == "numel" and not rest:
-            _scale_uses(graph, n, plan.tp)
-            continue
-        else:
-            continue
-        n.replace_all_uses_with(replacement)
-        graph.erase_node(n)
-
-
-def _scale_uses(graph: fx.Graph, n: fx.Node, tp: int) -> None:
-    """Every use of ``n`` reads ``n * tp`` instead."""
-    with graph.inserting_after(n):
-        scaled = graph.call_function(operator.mul, (n, tp))
-    n.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
-
-
-def _whole(graph: fx.Graph, n: fx.Node, x: fx.Node, dim: int, tp: int, item: Any) -> fx.Node:
-    with graph.inserting_before(n):
-        shape = graph.call_function(whole_shape, (x, dim, tp))
-        return shape if item is None else graph.call_function(operator.getitem, (shape, item))
 
 
 def _drop_checks_of_cut_values(graph: fx.Graph, plan: TensorPlan) -> None:
@@ -462,133 +242,3 @@ def _drop_dead_reads(gm: fx.GraphModule, graph: fx.Graph, modules: list[nn.Modul
                 f"{n.target} is cut by the tensor-parallel plan but {readers} also read it "
                 "whole; plan this graph itself (tensor_plan leaves such a weight whole)"
             )
-
-
-# ------------------------------------------------------------------------------- sequence
-
-
-def _on_sequence(
-    gm: fx.GraphModule, graph: fx.Graph, plan: TensorPlan, installed: Mapping[str, nn.Module]
-) -> dict[str, nn.Module]:
-    """Run the values ``plan`` cuts along the sequence as DTensors: the row-wise products
-    and embeddings that start a region give theirs cut (their style says so; one that
-    reads the tokens flattened reads them unflattened), a whole value a region op reads
-    enters through a :class:`SequenceEntry` call (one per value), a torch norm module there
-    runs as its function (its weights entering alike), and a value read outside the
-    regions is all-gathered once (:func:`gathered`): column-wise products read the
-    replicated DTensor, anything else its :func:`local` tensor (size queries read the cut
-    DTensor, whose sizes are the whole value's). The generated modules, by path."""
-    cut = {n.name for n in graph.nodes if n.name in plan.sequence and n.op != "placeholder"}
-    if not cut:
-        return {}
-    _unflatten(graph, plan)
-    path = next(p for p in ("_sequence_entry", "_sequence_entry_") if p not in installed)
-    for n in list(graph.nodes):
-        if n.name in cut and n.op == "call_module" and str(n.target) not in installed:
-            if isinstance(gm.get_submodule(str(n.target)), NORM_MODULES):
-                _norm_as_function(gm, graph, n)
-    entries: dict[str, fx.Node] = {}
-    for n in list(graph.nodes):
-        if n.name not in cut or n.name in plan.node_styles:
-            continue
-        for a in n.all_input_nodes:
-            if a.name in cut:
-                continue
-            if a.name not in entries:
-                with graph.inserting_before(n):
-                    entries[a.name] = graph.call_module(path, (a,))
-            n.replace_input_with(a, entries[a.name])
-    by_name = {n.name: n for n in graph.nodes}
-    for value, readers in whole_readers(graph, cut).items():
-        source = by_name[value]
-        with graph.inserting_after(source):
-            replicated = graph.call_function(gathered, (source,))
-        plain: fx.Node | None = None
-        for reader in (by_name[r] for r in readers):
-            if reader.name in plan.node_styles:  # a column-wise product reads the DTensor
-                reader.replace_input_with(source, replicated)
-                continue
-            if plain is None:
-                with graph.inserting_after(replicated):
-                    plain = graph.call_function(local, (replicated,))
-            reader.replace_input_with(source, plain)
-    return {path: SequenceEntry()}
-
-
-def _unflatten(graph: fx.Graph, plan: TensorPlan) -> None:
-    """A product that reads the tokens flattened and starts or ends a region reads them
-    unflattened (its flattening view, now unread, goes): its output, or the value it
-    gathers, is then laid out by sequence (the view after it restores the same sizes)."""
-    nodes = {n.name: n for n in graph.nodes}
-    for name, source in plan.unflattened.items():
-        product = nodes.get(name)
-        if product is None or source not in nodes:
-            continue
-        flat = product.args[0]
-        assert isinstance(flat, fx.Node), product.format_node()
-        product.replace_input_with(flat, nodes[source])
-        if not flat.users:
-            graph.erase_node(flat)
-
-
-def _norm_as_function(gm: fx.GraphModule, graph: fx.Graph, n: fx.Node) -> None:
-    """A call of a torch norm module, made in place (the node keeps its name) a call of its
-    function on its weights read by ``get_attr`` (so that they can enter a region as
-    DTensors)."""
-    module = gm.get_submodule(str(n.target))
-    assert isinstance(module, (nn.LayerNorm, nn.RMSNorm)), module
-    with graph.inserting_before(n):
-        weight = graph.get_attr(f"{n.target}.weight") if module.weight is not None else None
-        args: Any
-        if isinstance(module, nn.LayerNorm):
-            bias = graph.get_attr(f"{n.target}.bias") if module.bias is not None else None
-            args = (n.args[0], tuple(module.normalized_shape), weight, bias, module.eps)
-            n.target = torch.nn.functional.layer_norm
-        else:
-            args = (n.args[0], tuple(module.normalized_shape), weight, module.eps)
-            n.target = torch.nn.functional.rms_norm
-        n.args = args
-    n.op, n.kwargs = "call_function", {}
-
-
-# ------------------------------------------------------------------------- partial reads
-
-
-def _partial_reads(
-    gm: fx.GraphModule, graph: fx.Graph, plan: TensorPlan, installed: Mapping[str, nn.Module]
-) -> dict[str, nn.Module]:
-    """Each whole value with a gradient that a cut node reads, read there through one
-    :class:`ReplicatedRead` call (placed before its first such reader); a norm module a cut
-    node calls runs as its function, its weights read alike. The generated module, by
-    path."""
-    nodes = {n.name: n for n in graph.nodes}
-    reads = {k: list(v) for k, v in plan.partial_reads.items()}
-    for name in plan.partial_modules:
-        n = nodes.get(name)
-        if n is None:
-            continue
-        module = gm.get_submodule(str(n.target))
-        if not isinstance(module, NORM_MODULES):
-            raise ConfigError(
-                f"{n.name} calls {n.target} ({type(module).__name__}) on values cut over the "
-                "tp ranks, and its own parameters would get each rank's part of their "
-                "gradient only; leave its products whole (a plan that does not cut them)"
-            )
-        _norm_as_function(gm, graph, n)
-        for weight in n.all_input_nodes:
-            if weight.op == "get_attr":
-                reads.setdefault(weight.name, []).append(n.name)
-    if not reads:
-        return {}
-    path = next(p for p in ("_replicated_read", "_replicated_read_") if p not in installed)
-    order = {n.name: k for k, n in enumerate(graph.nodes)}
-    nodes = {n.name: n for n in graph.nodes}
-    for value, readers in reads.items():
-        mine = sorted((nodes[r] for r in readers if r in nodes), key=lambda r: order[r.name])
-        if value not in nodes or not mine:
-            continue
-        with graph.inserting_before(mine[0]):
-            read = graph.call_module(path, (nodes[value],))
-        for reader in mine:
-            reader.replace_input_with(nodes[value], read)
-    return {path: ReplicatedRead(plan.tp)}

@@ -19,7 +19,8 @@ from torch import nn
 
 from fxpipe.errors import ConfigError
 from fxpipe.passes.tensor.cut_modules import CutEmbedding, CutInOut, CutLinear
-from fxpipe.passes.tensor.local import cut_split_sizes, local_program, whole_shape
+from fxpipe.passes.tensor.local import local_program
+from fxpipe.passes.tensor.local_sizes import cut_split_sizes, whole_shape
 from fxpipe.passes.tensor.plan import tensor_plan
 from fxpipe.passes.tensor.records import Shard
 from fxpipe.trace.tracing import trace
