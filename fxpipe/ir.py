@@ -376,6 +376,10 @@ class StageProgram:
     #: so the runtime moves each to a device once per call and every micro-batch reads that
     #: copy (its gradient comes back once, summed).
     whole: frozenset[str] = frozenset()
+    #: Values the stages return that never carry a gradient though they are floating point
+    #: (a histogram of the batch: ``histc``), which a stage run without grad (checkpointed)
+    #: cannot tell from the others; found on the whole graph by the compiler.
+    no_grad: frozenset[str] = frozenset()
 
     @property
     def num_stages(self) -> int:

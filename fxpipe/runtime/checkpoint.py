@@ -166,9 +166,16 @@ class _Recomputation:
     """What the Checkpoint and the Recompute of one stage call share."""
 
     def __init__(
-        self, function: Callable[..., Sequence[Any]], args: tuple[Any, ...], device: torch.device
+        self,
+        function: Callable[..., Sequence[Any]],
+        args: tuple[Any, ...],
+        device: torch.device,
+        no_grad: frozenset[int] = frozenset(),
     ) -> None:
         self.function = function
+        self.no_grad = no_grad
+        #: Per tensor the first run returns, whether it never carries a gradient.
+        self.constant: list[bool] = []
         self.device = normalize_device(device)
         leaves, self.in_spec = tree_flatten(args)
         self.in_leaves = leaves
@@ -207,6 +214,7 @@ class _Recomputation:
         leaves, self.out_spec = tree_flatten(outputs)
         # Only the non-tensor leaves are kept: the tensors leave through the Function.
         self.out_leaves = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.constant = _constant_tensors(outputs, self.no_grad)
         return tuple(x.detach() for x in leaves if isinstance(x, torch.Tensor))
 
     def outputs(self, tensors: Sequence[torch.Tensor]) -> Any:
@@ -248,7 +256,14 @@ class Checkpoint(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
         outputs = rec.run_first(tensors)
-        constants = [x for x in outputs if not x.is_floating_point() and not x.is_complex()]
+        # integers, and values the program says never carry a gradient (a histogram of the
+        # batch): a run without grad cannot tell them, and the next stage's recompute would
+        # take them for differentiable
+        constants = [
+            x
+            for x, constant in zip(outputs, rec.constant, strict=True)
+            if constant or not (x.is_floating_point() or x.is_complex())
+        ]
         if constants:
             ctx.mark_non_differentiable(*constants)
         return outputs
@@ -285,6 +300,18 @@ class Recompute(torch.autograd.Function):
         return (None, None, *(None for _ in ctx.saved_tensors))
 
 
+def _constant_tensors(outputs: Any, no_grad: frozenset[int]) -> list[bool]:
+    """Per tensor leaf of ``outputs``, whether it is inside an item at a position of
+    ``no_grad`` (``outputs`` a tuple or list of items; else none is)."""
+    if not isinstance(outputs, (tuple, list)):
+        return [False] * sum(isinstance(x, torch.Tensor) for x in tree_flatten(outputs)[0])
+    marks: list[bool] = []
+    for k, item in enumerate(outputs):
+        tensors = sum(isinstance(x, torch.Tensor) for x in tree_flatten(item)[0])
+        marks += [k in no_grad] * tensors
+    return marks
+
+
 _checkpoint: Callable[..., Tensors] = Checkpoint.apply
 _recompute: Callable[..., torch.Tensor] = Recompute.apply
 
@@ -301,8 +328,11 @@ class Checkpointing:
         function: Callable[..., Sequence[Any]],
         args: tuple[Any, ...],
         device: torch.device | str = "cpu",
+        no_grad: frozenset[int] = frozenset(),
     ) -> None:
-        self._rec = _Recomputation(function, args, torch.device(device))
+        """``no_grad``: the positions of ``function``'s outputs (a tuple) that never carry
+        a gradient (:attr:`fxpipe.ir.StageProgram.no_grad`)."""
+        self._rec = _Recomputation(function, args, torch.device(device), no_grad)
 
     def time_with(self, span: SpanFactory) -> None:
         """Time the recompute and the backward of this call with ``span`` (recording)."""

@@ -95,6 +95,10 @@ class Executor:
                 f"stages: {program.num_stages})"
             )
         self.program = program
+        self._no_grad = tuple(
+            frozenset(k for k, name in enumerate(names) if name in program.no_grad)
+            for names in program.outputs
+        )
         self.devices = tuple(normalize_device(d) for d in devices)
         self.checkpoint = checkpoint
         #: How error messages name each stage (``stage 1 (blocks.2 to head, on cpu)``).
@@ -295,7 +299,9 @@ class Executor:
         for i, j in cells:
             args = tuple(run.args.pop((i, j)))
             module, device = self.program.modules[j], self.devices[j]
-            checkpointing = Checkpointing(module, args, device) if i < run.stops[j] else None
+            checkpointing = None
+            if i < run.stops[j]:
+                checkpointing = Checkpointing(module, args, device, self._no_grad[j])
             compute = recorder.cell((i, j), device, module, args, checkpointing, run.grad)
             tasks.append(Task(compute, stream=current_stream(device)))
             pending.append((i, j, checkpointing))

@@ -216,3 +216,38 @@ def test_cuda_dropout_gradients_are_exact() -> None:
     y.sum().backward()
     for e, g in zip(expected, _grads([x, *net.parameters()]), strict=True):
         assert torch.equal(e, g)
+
+
+def _counted_stages(no_grad: frozenset[int]) -> torch.Tensor:
+    """Two checkpointed stages: the first returns its output and a histogram of it (floating
+    point, no gradient: histc is not differentiable), the second counts with it in integers
+    (what MoE offsets do) and scales by the total."""
+    x = torch.randn(6, 4, requires_grad=True)
+    first = Checkpointing(
+        lambda v: (v.tanh(), torch.histc(v.sum(-1), bins=4, min=-2, max=2)), (x,), "cpu", no_grad
+    )
+    y, counts = first.recompute(first.checkpoint())
+
+    def second(h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor]:
+        return (h * c.cumsum(0, dtype=torch.int32)[-1],)
+
+    later = Checkpointing(second, (y, counts), "cpu")
+    (out,) = later.recompute(later.checkpoint())
+    out.sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def test_an_output_without_a_gradient_stays_so_across_a_checkpointed_stage() -> None:
+    """A run without grad cannot tell a float output no gradient reaches; marked as such
+    (the program's ``no_grad``), the next stage's recompute reads it as a constant, where
+    taken for differentiable it fails on an op of integers (the gradient equals eager's)."""
+    torch.manual_seed(0)
+    grad = _counted_stages(frozenset({1}))
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, requires_grad=True)
+    counts = torch.histc(x.sum(-1), bins=4, min=-2, max=2)
+    (x.tanh() * counts.cumsum(0, dtype=torch.int32)[-1]).sum().backward()
+    torch.testing.assert_close(grad, x.grad)
+    with pytest.raises(RuntimeError, match="dtype: Int"):
+        _counted_stages(frozenset())
