@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointChoice",
     "default_chunks",
     "check_checkpoint",
+    "checkpoint_of_stages",
 ]
 
 #: A cost mode, or a callable pricing one fx node.
@@ -306,6 +307,21 @@ def check_checkpoint(checkpoint: Any, *, auto: bool = False) -> Any:
         f"checkpoint={checkpoint!r} is not one of {choices} or a non-empty list of "
         f"{CHECKPOINT_MODES}, one per stage; pick one of them"
     )
+
+
+def checkpoint_of_stages(checkpoint: Any, stages: int) -> Checkpoints:
+    """``checkpoint`` (a mode, or one per stage; checked) as a run keeps it: one mode where
+    every stage has the same, else one per stage; ConfigError for a count of modes that is
+    not ``stages``. The one place a per-stage list is counted and collapsed."""
+    modes = check_checkpoint(checkpoint)
+    if isinstance(modes, str):
+        return modes  # type: ignore[return-value]
+    if len(modes) != stages:
+        raise ConfigError(
+            f"checkpoint={list(modes)!r} has {len(modes)} modes but there are {stages} "
+            "stages; give one mode per stage, or one mode for all"
+        )
+    return modes[0] if len(set(modes)) == 1 else modes  # type: ignore[no-any-return]
 
 
 def check_slack(slack: Any) -> None:

@@ -102,7 +102,7 @@ def test_checkpoint_can_be_set_per_stage_and_is_checked() -> None:
     assert pipe.checkpoint == ("always", "never", "never", "never")
     pipe.checkpoint = ["never"] * 4
     assert pipe.checkpoint == "never"
-    with pytest.raises(ConfigError, match="3 modes for 4 stages"):
+    with pytest.raises(ConfigError, match="3 modes but there are 4 stages"):
         pipe.checkpoint = ["never"] * 3
     with pytest.raises(ConfigError, match="checkpoint='auto'"):
         pipe.checkpoint = "auto"  # type: ignore[assignment]

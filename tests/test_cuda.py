@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 import fxpipe
-from fxpipe.api import compile_model
+from fxpipe.api import pipeline_of
+from fxpipe.compiler import compile_model
 from fxpipe.options import PlanOptions, RunOptions
 
 pytestmark = pytest.mark.cuda
@@ -81,8 +82,10 @@ def test_zoo_on_cuda_stages_equals_eager_on_cpu(name: str, layout: str) -> None:
     _loss(want).backward()
     twin_params = dict(twin.named_parameters())
     for checkpoint in ("except_last", "never"):
-        pipe = compiled.pipeline(
-            model, RunOptions(chunks=4, checkpoint=checkpoint, output_device=torch.device("cpu"))
+        pipe = pipeline_of(
+            model,
+            compiled,
+            RunOptions(chunks=4, checkpoint=checkpoint, output_device=torch.device("cpu")),
         )
         for p in model.parameters():
             p.grad = None

@@ -27,7 +27,8 @@ from random_models import WIDTH, Op, RandomNet, Spec, specs
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.api import compile_model
+from fxpipe.api import pipeline_of
+from fxpipe.compiler import compile_model
 from fxpipe.errors import PlanError
 from fxpipe.ir import PipelinePlan
 from fxpipe.options import PlanOptions, RunOptions
@@ -107,7 +108,7 @@ def run_case(
     xs = [x.clone().requires_grad_(input_grad) for _ in range(2)]
     compiled, stages = _compile(model, x, stages, cost)
     check_plan(compiled.plan, stages)
-    pipe = compiled.pipeline(model, RunOptions(chunks=chunks, checkpoint=checkpoint))
+    pipe = pipeline_of(model, compiled, RunOptions(chunks=chunks, checkpoint=checkpoint))
     got, want = pipe(xs[0]), twin(xs[1])
     got_leaves, got_spec = tree_flatten(got)
     want_leaves, want_spec = tree_flatten(want)
@@ -203,7 +204,7 @@ def _dead_branch_pipe(checkpoint: str) -> tuple[Pipeline, nn.Module, torch.Tenso
     torch.manual_seed(0)
     model, x = DeadBranch(), torch.randn(8, 4)
     compiled = compile_model(model, x, ["cpu"] * 3, PlanOptions(cost="flops", tracer="fx"))
-    pipe = compiled.pipeline(model, RunOptions(chunks=2, checkpoint=checkpoint))
+    pipe = pipeline_of(model, compiled, RunOptions(chunks=2, checkpoint=checkpoint))
     return pipe, model, x
 
 
@@ -255,7 +256,7 @@ def test_an_output_of_a_checkpointed_stage_no_loss_reaches_gets_no_gradient() ->
     x = torch.randn(4, WIDTH, dtype=torch.float64)
     compiled = compile_model(model, x, ["cpu"] * 3, PlanOptions(cost="flops", tracer="fx"))
     assert compiled.program.outputs[0] == ("layers_op0", "layers_op1")
-    pipe = compiled.pipeline(model, RunOptions(chunks=1, checkpoint="always"))
+    pipe = pipeline_of(model, compiled, RunOptions(chunks=1, checkpoint="always"))
     pipe(x).sum().backward()
     assert model.layers["op0"].weight.grad is None
     assert model.layers["op1"].weight.grad is not None

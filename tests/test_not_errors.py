@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fxpipe
-from fxpipe.api import compile_model
+from fxpipe.api import pipeline_of
+from fxpipe.compiler import compile_model
 from fxpipe.options import PlanOptions, RunOptions
 
 
@@ -145,7 +146,7 @@ def test_in_place_writes_next_to_stage_borders_equal_eager(
             model, x.clone(), ["cpu"] * stages, PlanOptions(cost="flops", tracer=tracer)
         )
         for checkpoint in ("always", "never"):
-            pipe = compiled.pipeline(model, RunOptions(chunks=4, checkpoint=checkpoint))
+            pipe = pipeline_of(model, compiled, RunOptions(chunks=4, checkpoint=checkpoint))
             assert_equals_eager(pipe, model, twin, x)
 
 

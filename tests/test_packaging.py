@@ -151,6 +151,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.passes", "fxpipe.devices"),
     ("fxpipe.trace", "fxpipe.options", "fxpipe.interop"),
     ("fxpipe.runtime", "fxpipe.weights"),
+    ("fxpipe.compiler",),
     ("fxpipe.pipeline",),
     ("fxpipe.views",),
     ("fxpipe.api", "fxpipe.distributed"),
@@ -393,6 +394,9 @@ TESTED_WITH = {
     "tensor/cuts": "tests/passes/tensor/test_layouts.py",
     "tensor/search": "tests/passes/tensor/test_plan.py",
     "tensor/assembly": "tests/passes/tensor/test_plan.py",
+    "batch/losses": "tests/passes/batch/test_reductions.py",
+    "tensor/local_sizes": "tests/passes/tensor/test_local.py",
+    "tensor/local_regions": "tests/passes/tensor/test_partial.py",
 }
 
 
@@ -500,3 +504,20 @@ def test_a_plan_shows_itself_through_the_views_it_names() -> None:
 
     for name, function in ir._PLAN_VIEWS.items():
         assert callable(getattr(views, function)), name
+
+
+def test_a_runs_chunks_and_checkpoint_are_resolved_in_one_place() -> None:
+    """The micro-batches a run uses and its checkpoint mode per stage are worked out by one
+    function each (the compiler's ``resolve_run``, the options' ``checkpoint_of_stages``),
+    which nothing restates: the runtime and the Pipeline take the resolved values."""
+    texts = {
+        _module_name(p): p.read_text() for p in SOURCES if _module_name(p).startswith("fxpipe")
+    }
+    chunk_rule = [m for m, t in texts.items() if "min(run.chunks" in t]
+    collapse = [  # (a view prints equal modes as one, which resolves nothing)
+        m for m, t in texts.items() if "len(set(modes)) == 1" in t and "views" not in m
+    ]
+    assert chunk_rule == ["fxpipe.compiler.resolve"], chunk_rule
+    assert collapse == ["fxpipe.options"], collapse
+    for module in ("fxpipe.pipeline", "fxpipe.runtime.session"):
+        assert "plan.chunks" not in texts[module] and '"auto"' not in texts[module], module

@@ -502,7 +502,7 @@ def test_a_tied_weights_gradient_has_eagers_bits_at_one_micro_batch(checkpoint: 
 def test_a_parameter_two_stages_on_two_devices_hold_is_refused_before_anything_moves() -> None:
     """A planning fault (one Parameter held by stages on different devices) is a clear
     PlanError naming the Parameter, not a device mismatch in the middle of a step."""
-    from fxpipe.pipeline import _check_one_device_each
+    from fxpipe.runtime.placement import _check_one_device_each
 
     model = _net()
     pipe = fxpipe.pipeline(model, torch.randn(8, 8), ["cpu", "cpu"])

@@ -21,7 +21,8 @@ from oracle import example_in, prepared, relative_error, weighted_loss
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.api import Compiled, compile_model
+from fxpipe.api import pipeline_of
+from fxpipe.compiler import Compiled, compile_model
 from fxpipe.options import PlanOptions, RunOptions
 from fxpipe.pipeline import Pipeline
 
@@ -122,7 +123,7 @@ def test_outputs_and_gradients_equal_eager(name: str, k: int) -> None:
             _check(
                 model,
                 want,
-                compiled.pipeline(model, RunOptions(chunks=chunks, checkpoint=checkpoint)),
+                pipeline_of(model, compiled, RunOptions(chunks=chunks, checkpoint=checkpoint)),
                 case,
             )
 
@@ -137,7 +138,7 @@ def test_batchnorm_in_train_mode_with_one_chunk(name: str) -> None:
             _check(
                 model,
                 _eager(twin, case),
-                compiled.pipeline(model, RunOptions(chunks=1, checkpoint=checkpoint)),
+                pipeline_of(model, compiled, RunOptions(chunks=1, checkpoint=checkpoint)),
                 case,
             )
         for a, b in zip(model.buffers(), twin.buffers(), strict=True):
@@ -150,7 +151,7 @@ def test_float32_gradient_within_contract(name: str) -> None:
     within 1e-5 relative error of eager, for 2 stages and 4 chunks."""
     case = ZOO[name]
     model, compiled, twin = _compiled(name, 2, "batchnorm" not in case.tags, torch.float32)
-    pipe = compiled.pipeline(model, RunOptions(chunks=4, checkpoint="except_last"))
+    pipe = pipeline_of(model, compiled, RunOptions(chunks=4, checkpoint="except_last"))
     pipe.use_threads = True  # the worker-thread path several devices take
     args, kwargs = example_in(case, torch.float32)
     got, want = pipe(*args, **kwargs), twin(*args, **kwargs)

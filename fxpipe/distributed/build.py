@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils._pytree import tree_map
 
-from fxpipe.api import Compiled, compile_model
+from fxpipe.compiler import Compiled, compile_model
 from fxpipe.devices.targets import parse_device
 from fxpipe.distributed.agreement import MeasuredCost, check_agreement, measured_costs
 from fxpipe.distributed.auto import AUTO, choose_schedule

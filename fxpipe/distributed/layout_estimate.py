@@ -104,7 +104,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from fxpipe.api import traced_example
+from fxpipe.compiler import traced_example
 from fxpipe.distributed.mesh import can_leave_whole, shared_on_a_rank
 from fxpipe.distributed.options import (
     SPLIT_BACKWARD,
@@ -329,7 +329,7 @@ def priced_model(
     device_flops: float,
 ) -> Priced:
     """Trace and price once (a model on ``meta`` on a meta copy of the example, as
-    :func:`fxpipe.api.compile_model` does)."""
+    :func:`fxpipe.compiler.compile_model` does)."""
     front = traced_example(  # pipeline_schedule checks what micro-batches would change
         model, example_input, example_kwargs, tracer=tracer, pricing=mode, reductions=False,
         whole=True,

@@ -18,7 +18,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.api import Compiled
+from fxpipe.compiler import Compiled
 from fxpipe.distributed.agreement import MeasuredCost
 from fxpipe.ir import PipelinePlan
 from fxpipe.passes.tensor.given import GivenPlan

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,15 +32,23 @@ from fxpipe.runtime.executor import Executor
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.tracing import Traced
 
-__all__ = ["Variant", "Variants", "Follow", "modes_of", "check_placement", "MAX_VARIANTS"]
+__all__ = ["Variant", "Variants", "Retrace", "modes_of", "check_placement", "MAX_VARIANTS"]
 
 #: At most this many variants per pipeline: a non-tensor argument that changes on every
 #: call would otherwise trace the model again on every call.
 MAX_VARIANTS = 8
 
-#: Traces the model as it is now for a call's ``(args, kwargs)`` and splits it along the
-#: first variant's borders: (the trace, its plan, its stage program).
-Follow = Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[Traced, PipelinePlan, StageProgram]]
+
+class Retrace(Protocol):
+    """What the runtime asks of the compiler when a call fits no variant: the model traced as
+    it is now for that call and split along the first variant's borders
+    (:class:`fxpipe.compiler.retrace.Retracer` answers it)."""
+
+    def trace_call(
+        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[Traced, PipelinePlan, StageProgram]:
+        """(the trace, its plan, its stage program) for this call."""
+        ...
 
 
 def modes_of(model: nn.Module) -> tuple[bool, ...]:
@@ -100,12 +108,12 @@ class Variants:
         self,
         model: nn.Module,
         first: Variant,
-        follow: Follow | None,
+        retrace: Retrace | None,
         make: Callable[[tuple[bool, ...], Traced, PipelinePlan, StageProgram], Variant],
     ) -> None:
         self.model = model
         self.all: list[Variant] = [first]
-        self._follow = follow
+        self._retrace = retrace
         self._make = make
 
     @property
@@ -121,13 +129,13 @@ class Variants:
         for variant in fitting:
             if variant.modes == modes:
                 return variant
-        if self._follow is None:  # no new traces: the first one's checks say what differs
+        if self._retrace is None:  # no new traces: the first one's checks say what differs
             self.first.traced.binder.bind(args, kwargs)
             return self.first
         if len(self.all) >= MAX_VARIANTS:
             raise ConfigError(self._too_many(args, kwargs))
         try:
-            traced, plan, program = self._follow(tuple(args), dict(kwargs))
+            traced, plan, program = self._retrace.trace_call(tuple(args), dict(kwargs))
         except Exception as failure:
             if not fitting:  # the call differs from every trace: say how
                 self._refuse(args, kwargs, failure)

@@ -150,7 +150,7 @@ def test_one_process_per_stage_plans_a_tied_weight_held_by_each_stage_not_sent()
     """What pipeline_schedule plans (replicate_weights): the tied weight is in both stages'
     parameters and memory and on no border; the single-process plan sends it whole once
     per batch, and its summary counts it so."""
-    from fxpipe.api import compile_model
+    from fxpipe.compiler import compile_model
     from fxpipe.options import PlanOptions
 
     args, kwargs = ZOO["transformer"].example(BATCH)

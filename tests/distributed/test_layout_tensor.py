@@ -14,7 +14,7 @@ from models import TinyGPT
 from torch import nn
 
 import fxpipe.distributed as fd
-from fxpipe.api import Compiled, compile_model
+from fxpipe.compiler import Compiled, compile_model
 from fxpipe.distributed import layout_estimate
 from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS, format_layouts
 from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs

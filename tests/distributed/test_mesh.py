@@ -158,7 +158,7 @@ def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
     stage holds a trained one its outputs do not depend on (weight_for_dtype's last stage
     reads the first layer's weight for its dtype); elsewhere the search is skipped (and
     torch's warning that it found none)."""
-    from fxpipe.api import compile_model
+    from fxpipe.compiler import compile_model
     from fxpipe.distributed.shapes import example_shapes
     from fxpipe.options import PlanOptions
 

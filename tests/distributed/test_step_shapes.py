@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 import fxpipe.distributed as fd
-from fxpipe.api import compile_model
+from fxpipe.compiler import compile_model
 from fxpipe.distributed.shapes import StageShapes, example_shapes
 from fxpipe.distributed.step_shapes import StepShapes
 from fxpipe.errors import ConfigError, InputError

@@ -1,7 +1,7 @@
 """A constant the model makes in forward keeps its values in a variant traced again: traced on
 the model itself where its tensors live on one device, on ``meta`` (taking the values of the
 first trace's constant) where they live on several, which these tests stand in for by making
-``fxpipe.api`` see no single device."""
+``fxpipe.compiler.retrace`` see no single device."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def devices(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Where the model's tensors seem to live when a variant is traced: on one device (the
     variant traced on them), or on several (traced on ``meta``)."""
     if request.param == "several devices":
-        import fxpipe.api
+        import fxpipe.compiler.retrace
 
-        monkeypatch.setattr(fxpipe.api, "_one_device", lambda model: None)
+        monkeypatch.setattr(fxpipe.compiler.retrace, "_one_device", lambda model: None)
     return str(request.param)
 
 
@@ -76,9 +76,9 @@ def test_a_constant_only_the_other_mode_makes_is_refused_naming_it(
 ) -> None:
     """On several devices no real-valued trace made that constant: refused, and the remedy
     works."""
-    import fxpipe.api
+    import fxpipe.compiler.retrace
 
-    monkeypatch.setattr(fxpipe.api, "_one_device", lambda model: None)
+    monkeypatch.setattr(fxpipe.compiler.retrace, "_one_device", lambda model: None)
     model = MakesConstants(eval_only=True)
     x = torch.randn(8, 4)
     pipe = fxpipe.pipeline(model, x, CPU2, chunks=2, tracer="export", cost="flops")

@@ -8,7 +8,7 @@ import torch.fx as fx
 from models import ZOO
 from torch import nn
 
-from fxpipe.api import compile_model
+from fxpipe.compiler import compile_model
 from fxpipe.options import PlanOptions
 from fxpipe.passes.split.placement import place_graph
 

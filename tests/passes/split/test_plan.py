@@ -13,7 +13,7 @@ from models import ZOO
 from torch import nn
 
 import fxpipe
-import fxpipe.api
+import fxpipe.devices.stages
 from fxpipe.devices.targets import device_capacity
 from fxpipe.errors import MemoryPlanError
 
@@ -56,7 +56,7 @@ def test_stages_that_share_a_device_share_its_capacity(monkeypatch: pytest.Monke
     # Each stage alone fits, both together do not: refused, with the figures.
     budget = (largest + need) // 2
     assert largest < budget < need
-    monkeypatch.setattr(fxpipe.api, "device_capacity", lambda ds: [budget] * len(ds))
+    monkeypatch.setattr(fxpipe.devices.stages, "device_capacity", lambda ds: [budget] * len(ds))
     with pytest.raises(MemoryPlanError, match=r"cpu: needs ~.* GiB for stages \[0, 1\]"):
         _plan(["cpu", "cpu"])
 
