@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
@@ -17,10 +18,13 @@ from benchmarks.harness.models.spec import Args, Kwargs, Spec
 from benchmarks.harness.oracle import backward, eager_side, loss_weights, mixes_samples
 from benchmarks.harness.prepare import fresh
 from benchmarks.harness.rows import Row
+from benchmarks.sweep.narrow import Wants, cast, dtype_name, in_dtype, narrow_eager
+from benchmarks.sweep.narrow_judge import judge_narrow
 from benchmarks.sweep.progress import failure, phase
 
 __all__ = ["CHUNKS", "Subject", "Check", "all_nan", "build_pipeline", "pipeline_side",
-           "against_eager", "judge"]  # fmt: skip
+           "against_eager", "judge", "piped_copy", "narrow_oracle", "eager_narrow",
+           "against_narrow"]  # fmt: skip
 
 #: Micro-batches of every pipeline the sweep builds.
 CHUNKS = 4
@@ -31,7 +35,8 @@ class Subject:
     """One model as every check receives it."""
 
     spec: Spec
-    #: Built, in float64, every dropout at zero; a check must not change it.
+    #: Built, in float64, every dropout at zero (a Mixture-of-Experts model's experts by
+    #: batched products where the run's dtype is narrower); a check must not change it.
     model: nn.Module
     #: The example batch, float64: positional and keyword arguments.
     inputs: tuple[Args, Kwargs]
@@ -44,6 +49,17 @@ class Subject:
     counts: Tensor | None = None
     #: The torch.compile backend of its pipelines' stages ("": not compiled).
     compile: str = ""
+    #: The dtype eager and fxpipe run in; narrower than float64, ``model`` is the float64
+    #: reference both are measured against, copied into this dtype for each run.
+    dtype: torch.dtype = torch.float64
+    #: The experts implementation the model was built with (its copies in ``dtype`` run it);
+    #: None: not a Mixture-of-Experts model that takes one, or the run is in float64.
+    experts: str | None = None
+
+    @property
+    def narrow(self) -> bool:
+        """Does this run's dtype round more than float64?"""
+        return self.dtype != torch.float64
 
 
 Check = Callable[[Subject], Row | None]
@@ -65,7 +81,7 @@ def build_pipeline(subject: Subject, piped: nn.Module, label: str, chunks: int =
     ``chunks`` micro-batches."""
     import fxpipe
 
-    args, kwargs = subject.inputs
+    args, kwargs = cast(subject.inputs, subject.dtype) if subject.narrow else subject.inputs
     phase(f"{label}: fxpipe.pipeline")
     options: Kwargs = {"chunks": chunks, "cost": subject.cost, "example_kwargs": fresh(kwargs)}
     if subject.compile:
@@ -74,11 +90,17 @@ def build_pipeline(subject: Subject, piped: nn.Module, label: str, chunks: int =
 
 
 def pipeline_side(
-    pipe: Any, piped: nn.Module, inputs: tuple[Args, Kwargs], want: Side, label: str
+    pipe: Any,
+    piped: nn.Module,
+    inputs: tuple[Args, Kwargs],
+    want: Side,
+    label: str,
+    weights: list[Tensor | None] | None = None,
 ) -> Side:
-    """``pipe`` on ``inputs``, then backward through the projection eager used (also where an
-    output's value differs, so that the gradients are measured too); outputs only where their
-    structure, a type or a shape differs from eager's."""
+    """``pipe`` on ``inputs``, then backward through the projection eager used (``weights``,
+    default :func:`loss_weights` of eager's outputs; also where an output's value differs, so
+    that the gradients are measured too); outputs only where their structure, a type or a
+    shape differs from eager's."""
     args, kwargs = inputs
     phase(f"{label}: pipeline forward")
     output = pipe(*fresh(args), **fresh(kwargs))
@@ -86,15 +108,68 @@ def pipeline_side(
     if worst == float("inf"):
         return Side(output, {}, {})
     phase(f"{label}: pipeline backward")
-    return backward(piped, output, loss_weights(want.output))
+    return backward(piped, output, loss_weights(want.output) if weights is None else weights)
+
+
+def piped_copy(subject: Subject, model: nn.Module | None = None) -> nn.Module:
+    """The copy of ``model`` (default: the subject's) that a pipeline takes: a deep copy, in
+    the run's dtype with the experts implementation the model was built with."""
+    model = subject.model if model is None else model
+    if subject.narrow:
+        return in_dtype(model, subject.dtype, subject.experts)
+    return copy.deepcopy(model)
+
+
+def narrow_oracle(
+    subject: Subject, inputs: tuple[Args, Kwargs], train: bool, chunks: int | None
+) -> Wants:
+    """Eager in the run's dtype and in float64 on ``inputs`` (float64), as
+    :func:`benchmarks.sweep.narrow.narrow_eager` runs them for the subject."""
+    return narrow_eager(subject.spec, subject.model, inputs, subject.dtype, subject.experts,
+                        train, chunks, subject.counts)  # fmt: skip
+
+
+def against_narrow(
+    subject: Subject, pipe: Any, piped: nn.Module, inputs: tuple[Args, Kwargs], wants: Wants,
+    train: bool, chunks: int | None, label: str,
+) -> Row:  # fmt: skip
+    """``pipe`` (of ``piped``, in the run's dtype) on ``inputs`` (float64, cast) against
+    ``wants``: no further from float64 than eager in that dtype (outputs, gradients,
+    buffers)."""
+    mine = cast(inputs, subject.dtype)
+    got = pipeline_side(pipe, piped, mine, Side(wants.eager.output, {}, {}), label, wants.weights)
+    labels = inputs[1].get("labels")
+    phase(f"{label}: judged against float64")
+    again = lambda: narrow_oracle(subject, inputs, train, chunks)  # noqa: E731
+    return judge_narrow(got, wants, subject.dtype, again, labels)
+
+
+def eager_narrow(
+    subject: Subject, inputs: tuple[Args, Kwargs], train: bool, chunks: int | None, label: str
+) -> Wants | Row:
+    """Eager in the run's dtype and in float64, or the row of a check they leave nothing
+    to judge (either fails, or every output is NaN)."""
+    name = dtype_name(subject.dtype)
+    phase(f"{label}: eager in float64 and in {name}")
+    try:
+        wants = narrow_oracle(subject, inputs, train, chunks)
+    except Exception as exc:
+        return {"status": "skipped", "reason": f"eager failed: {first_line(repr(exc))}"}
+    nan = all_nan(wants.reference)
+    if nan or all_nan(wants.eager):
+        return {"status": "skipped", "reason": nan or f"eager's outputs are all NaN in {name}"}
+    return wants
 
 
 def against_eager(subject: Subject, train: bool, label: str) -> Row:
     """Eager against fxpipe in one mode, each on a fresh deep copy of the model: outputs,
     every parameter's gradient and every persistent buffer after one backward. ``label``
-    names the check in the worker's phases."""
+    names the check in the worker's phases. In a dtype narrower than float64, both in it
+    against eager in float64 (:func:`against_narrow`)."""
     model = subject.model
     chunks = CHUNKS if mixes_samples(subject.spec, model, train) else None
+    if subject.narrow:
+        return _narrow_mode(subject, train, chunks, label)
     row: Row = {"oracle": "micro-batches" if chunks else "whole batch"}
     phase(f"{label}: eager")
     try:
@@ -111,6 +186,23 @@ def against_eager(subject: Subject, train: bool, label: str) -> Row:
     except Exception as exc:
         return {**row, **failure(exc)}
     return {**row, **judge(subject, train, chunks, got, want, label)}
+
+
+def _narrow_mode(subject: Subject, train: bool, chunks: int | None, label: str) -> Row:
+    """:func:`against_eager` in a dtype narrower than float64."""
+    row: Row = {"oracle": "micro-batches" if chunks else "whole batch"}
+    wants = eager_narrow(subject, subject.inputs, train, chunks, label)
+    if not isinstance(wants, Wants):
+        return {**row, **wants}
+    piped = piped_copy(subject).train(train)
+    try:
+        pipe = build_pipeline(subject, piped, label)
+        row["tracer"] = getattr(getattr(pipe, "_traced", None), "tracer", None)
+        verdict = against_narrow(subject, pipe, piped, subject.inputs, wants, train, chunks,
+                                 label)  # fmt: skip
+    except Exception as exc:
+        return {**row, **failure(exc)}
+    return {**row, **verdict}
 
 
 def judge(

@@ -12,6 +12,7 @@ from collections import Counter
 from benchmarks.harness.compare import FLOOR, TOLERANCE
 from benchmarks.harness.failures import first_line
 from benchmarks.harness.machine import library_versions
+from benchmarks.harness.precision import FACTOR
 from benchmarks.harness.rows import STATUSES, Row
 from benchmarks.sweep.checks import CHECKS, CHUNKS
 
@@ -81,8 +82,10 @@ def markdown(rows: list[Row]) -> str:
 
 def meta(args: argparse.Namespace) -> Row:
     """The settings of a run, kept in its JSON."""
+    narrow = args.dtype != "float64"
     return {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
             "cpus": os.cpu_count(), "cost": args.cost, "compile": args.compile or None,
-            "timeout_s": args.timeout,
+            "timeout_s": args.timeout, "dtype": args.dtype,
             "chunks": CHUNKS, "tolerance": TOLERANCE, "floor": FLOOR, "label": args.label,
+            "factor": FACTOR if narrow else None,
             "checks": list(CHECKS), **library_versions(LIBRARIES)}  # fmt: skip

@@ -68,6 +68,14 @@ def hf_moe_specs() -> list[Spec]:
         for n, t, o, _ in table
         if n in ("mixtral", "qwen3_moe")
     ]
+    # the experts implementation transformers picks by default (grouped_mm: the batch's tokens
+    # sorted by expert, one grouped product), which takes no float64 (skipped there); DBRX's
+    # experts take no implementation (its own loop over them)
+    specs += [
+        Spec(f"{n}-grouped", fam, hf(t, "causal", d, **o), m)
+        for n, t, o, m in table
+        if n != "dbrx"
+    ]
     specs += [
         Spec("switch_transformers", fam,
              hf("switch_transformers", "seq2seq", T5, "seq2seq", num_experts=4,
