@@ -41,7 +41,7 @@ import transformers
 import fxpipe.distributed as fd
 from benchmarks.harness.models.giants import GIANTS
 from benchmarks.harness.output import command_line, result_path, save_json
-from fxpipe.distributed.layout import (
+from fxpipe.distributed.planning.layout import (
     DEFAULT_DEVICE_FLOPS,
     DEFAULT_DP_BANDWIDTH,
     DEFAULT_LINK_BANDWIDTH,

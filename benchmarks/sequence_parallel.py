@@ -16,7 +16,7 @@ an all-gather make an all-reduce). The saved bytes are those autograd keeps for 
 backward during one forward (each storage counted once; a DTensor by its local piece),
 read by ``torch.autograd.graph.saved_tensors_hooks``. The predicted ratio is the cut cost
 table's saved bytes with sequence parallelism over those without
-(``fxpipe.distributed.layout_tensor``). Steps alternate round by round
+(``fxpipe.distributed.planning.tensor_costs``). Steps alternate round by round
 (``benchmarks.harness.timing``); the rows go to ``benchmarks/results/sequence_parallel.json``
 (``sequence_parallel_cuda.json`` on a GPU).
 """
@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from benchmarks.harness.output import format_table
 from benchmarks.harness.timing import time_interleaved
 from benchmarks.tensor_rank import _model, _step, rank_arguments, rank_device, save_rows
-from fxpipe.distributed.layout_tensor import tensor_costs
+from fxpipe.distributed.planning.tensor_costs import tensor_costs
 from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.passes.tensor.parallelize import parallelize_stage
 from fxpipe.passes.tensor.plan import tensor_plan

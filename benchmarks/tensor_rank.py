@@ -15,7 +15,7 @@ it. Per ``tp``, the graph's tensor-parallel plan (what
 makes rank 0's program: its cut products hold ``1 / tp`` of their weights. One device
 cannot hold the ``tp`` ranks of a group, so the program runs in a process of torch's fake
 process group, whose collectives return at once: the time is the rank's compute alone, the
-part ``fxpipe.distributed.layout_tensor`` divides by ``tp``; the collectives it adds are
+part ``fxpipe.distributed.planning.tensor_costs`` divides by ``tp``; the collectives it adds are
 priced from the link's bandwidth, which one device cannot measure. The predicted share is
 the cut cost table's total over the whole one's, with an infinite link (FLOP and roofline
 pricing). With ``--compile`` both run through ``torch.compile`` (which removes DTensor's
@@ -41,7 +41,7 @@ from torch import nn
 from benchmarks.harness.machine import device_record
 from benchmarks.harness.output import command_line, format_table, result_path, save_json
 from benchmarks.harness.timing import time_interleaved
-from fxpipe.distributed.layout_tensor import tensor_costs
+from fxpipe.distributed.planning.tensor_costs import tensor_costs
 from fxpipe.passes.price.estimate import estimate_costs
 from fxpipe.passes.price.roofline import step_roofline_for
 from fxpipe.passes.tensor.parallelize import parallelize_stage

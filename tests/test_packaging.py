@@ -208,6 +208,30 @@ def test_imports_follow_the_layers(path: Path) -> None:
             assert not name.startswith("fxpipe.passes"), f"{me} imports the pass {name}"
 
 
+#: fxpipe.distributed's rooms, lowest first, as its docstring draws them: ``build`` joins
+#: the rooms, a rank's runtime reads the plans, planning reads the state across ranks.
+DISTRIBUTED_ROOMS = ["options", "parallel", "planning", "rank", "build"]
+DISTRIBUTED = [p for p in SOURCES if _module_name(p).startswith("fxpipe.distributed.")]
+
+
+def _room(name: str) -> int:
+    """The room of a module of fxpipe.distributed (``fxpipe.distributed.rank.stage``: rank)."""
+    return DISTRIBUTED_ROOMS.index(name.split(".")[2])
+
+
+@pytest.mark.parametrize("path", DISTRIBUTED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_distributed_rooms_import_downwards(path: Path) -> None:
+    me = _module_name(path)
+    for name in _fxpipe_imports(path):
+        if name.startswith("fxpipe.distributed.") and name.count(".") >= 2:
+            assert _room(name) <= _room(me), f"{me} imports {name}, a room above it"
+
+
+def test_no_distributed_module_is_over_about_400_lines() -> None:
+    lengths = {_module_name(p): len(p.read_text().splitlines()) for p in DISTRIBUTED}
+    assert max(lengths.values()) <= 430, sorted(lengths.items(), key=lambda kv: -kv[1])[:3]
+
+
 def test_no_module_imports_itself_round_about() -> None:
     """No import cycle between fxpipe's modules, imports under TYPE_CHECKING and inside
     functions included."""

@@ -25,50 +25,38 @@ from its keywords, checked on every rank before any communication, and the rest 
 beforehand, such as the one a layout :func:`suggest_layout` ranks gives
 (:attr:`LayoutEstimate.options`).
 
-Modules:
+Rooms (each a package with its own docstring), and the two modules at the top:
 
 - ``options``: :class:`ScheduleOptions` and the checks of every option (``suggest_layout``
   shares them); the schedules' names and where each places the stages.
 - ``build``: :func:`pipeline_schedule`: the record made from its keywords, planning,
-  activation shapes.
-- ``agreement``: what building communicates: the costs group rank 0 measures for
-  ``cost="time"``, broadcast, and the one all-gather that checks every rank planned alike.
-- ``shapes``: each stage's input and output shapes for one micro-batch, from a run of the
-  stage program on fake tensors.
-- ``step_shapes``: each step's input sizes, sent by the first rank to the others (one small
-  broadcast per step), so that a step may have another sequence length than the last.
-- ``runner``: :class:`DistributedPipeline`: this rank's stages, the torch schedule, its
-  parameters and state-dict shard.
-- ``stage``: a stage as torch's schedules run it: the stage module (the model's arguments
-  in, what torch sends out) and the ``PipelineStage`` whose checks run at each step's start
-  and whose buffers are re-made for a step of other sizes.
-- ``gradients``: the gradients of parameters held on several ranks (or left whole by FSDP)
-  summed once per step (``sync_tied_gradients``).
-- ``tied_guard``: an update of such a parameter without that sum, refused at the next step.
-- ``checkpoint``: one ``torch.distributed.checkpoint`` for the whole job, at any layout,
-  checked by each rank before anything is read.
-- ``split_backward``: the weight part of a zero-bubble stage's backward, computed by
-  fxpipe from torch's input part (torch's own counts some gradients twice or crashes).
-- ``strides``: boundary values and their gradients in eager's memory layout on both sides
-  of a send (torch sends contiguous buffers, and some CPU kernels answer wrongly for the
-  layouts that otherwise reach them).
-- ``ownership``: which of the model's tensors a rank keeps; releasing and materialising
-  them; :func:`merge_state_dicts`.
-- ``mesh``: pipeline x data parallel: the ``"pp"`` and ``"dp"`` groups of a 2-D
-  ``DeviceMesh``, and each stage wrapped in DDP over ``"dp"``.
-- ``layout``: :func:`suggest_layout`: the (pp, dp, virtual stages, micro-batches, schedule)
-  layouts of a model over ``world_size`` ranks, ranked by predicted step time and memory
-  per rank.
-- ``layout_estimate``: what the cost model predicts for one layout (a
-  :class:`LayoutEstimate` row), and the formulas.
-- ``layout_table``: ``format_layouts``, the rows as a table a person reads.
+  activation shapes; the one module that joins the rooms.
+- ``planning/``: before any rank runs: :func:`suggest_layout` and what the cost model
+  predicts for each layout (``layout``, ``priced``, ``estimate``, ``table``,
+  ``tensor_costs``), ``"auto"`` schedules (``auto``), the tensor-parallel plan
+  (``tensor_parallel``), and what building communicates (``agreement``: the costs group
+  rank 0 measures for ``cost="time"``, and the all-gather that checks every rank planned
+  alike).
+- ``rank/``: one rank's runtime: :class:`DistributedPipeline` (``runner``), a stage as
+  torch's schedules run it (``stage``), each stage's and each step's shapes (``shapes``,
+  ``step_shapes``), boundary values in eager's memory layout (``strides``), the weight part
+  of a zero-bubble backward (``split_backward``), the gradients of Parameters held on
+  several ranks and the guard against an update without their sum (``gradients``,
+  ``tied_guard``), and one ``torch.distributed.checkpoint`` for the whole job
+  (``checkpoint``).
+- ``parallel/``: state across ranks: the ``"pp"``, ``"dp"`` and ``"tp"`` groups of a
+  ``DeviceMesh`` and each stage wrapped in DDP or FSDP over ``"dp"`` (``mesh``), a
+  DTensor's whole and a rank's part (``dtensors``), which of the model's tensors a rank keeps
+  and :func:`merge_state_dicts` (``ownership``).
+
+Arrows point one way: ``build`` -> ``rank`` -> ``planning`` -> ``parallel`` -> ``options``.
 """
 
 from fxpipe.distributed.build import pipeline_schedule
-from fxpipe.distributed.layout import LayoutEstimate, suggest_layout
 from fxpipe.distributed.options import SCHEDULES, ScheduleOptions
-from fxpipe.distributed.ownership import merge_state_dicts
-from fxpipe.distributed.runner import DistributedPipeline
+from fxpipe.distributed.parallel.ownership import merge_state_dicts
+from fxpipe.distributed.planning.layout import LayoutEstimate, suggest_layout
+from fxpipe.distributed.rank.runner import DistributedPipeline
 
 __all__ = [
     "pipeline_schedule",

@@ -25,9 +25,6 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.compiler import Compiled, compile_model
 from fxpipe.devices.targets import parse_device
-from fxpipe.distributed.agreement import MeasuredCost, check_agreement, measured_costs
-from fxpipe.distributed.auto import AUTO, choose_schedule
-from fxpipe.distributed.mesh import check_sharding, comm_device, mesh_layout
 from fxpipe.distributed.options import (
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -35,10 +32,13 @@ from fxpipe.distributed.options import (
     ScheduleOptions,
     stage_ranks,
 )
-from fxpipe.distributed.runner import DistributedPipeline
-from fxpipe.distributed.shapes import Metas, example_shapes, meta_like, tensors
-from fxpipe.distributed.step_shapes import StepShapes
-from fxpipe.distributed.tensor_parallel import plan_tensor_parallel, rank_costs
+from fxpipe.distributed.parallel.mesh import check_sharding, comm_device, mesh_layout
+from fxpipe.distributed.planning.agreement import MeasuredCost, check_agreement, measured_costs
+from fxpipe.distributed.planning.auto import AUTO, choose_schedule
+from fxpipe.distributed.planning.tensor_parallel import plan_tensor_parallel, rank_costs
+from fxpipe.distributed.rank.runner import DistributedPipeline
+from fxpipe.distributed.rank.shapes import Metas, example_shapes, meta_like, tensors
+from fxpipe.distributed.rank.step_shapes import StepShapes
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import CompileChoice, PlanOptions
@@ -95,7 +95,7 @@ def pipeline_schedule(
     ``n_microbatches="auto"`` and/or ``schedule="auto"``: the schedule (with its stages per
     rank, 2 or 4 for a looped one unless ``stages_per_rank`` says) and the micro-batch count
     (a divisor of the batch's rows) with the least step time fxpipe predicts for these
-    pipeline ranks (:mod:`fxpipe.distributed.auto`, ``fd.suggest_layout``'s model, priced
+    pipeline ranks (:mod:`fxpipe.distributed.planning.auto`, ``fd.suggest_layout``'s model, priced
     by the roofline of the ranks' device, alike on every rank); what was chosen and from
     what is ``pipe.schedule_choice``, what runs is ``pipe.options``.
 

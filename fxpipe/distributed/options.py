@@ -8,7 +8,7 @@ from its keywords; what it builds takes the record. What belongs to a run rather
 configuration (the model, the example, ``loss_fn``, ``group``, ``mesh``, ``device``) stays a
 keyword of ``pipeline_schedule``; :meth:`ScheduleOptions.keywords` turns a record back into
 ``pipeline_schedule``'s keywords, as for the record a ranked layout gives
-(:attr:`fxpipe.distributed.layout_estimate.LayoutEstimate.options`).
+(:attr:`fxpipe.distributed.planning.estimate.LayoutEstimate.options`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:  # the ranks import the test modules by their pack
 from models import ZOO, TinyGPT  # noqa: E402
 
 import fxpipe.distributed as fd  # noqa: E402
-from fxpipe.distributed.dtensors import full_tensor, is_dtensor  # noqa: E402
+from fxpipe.distributed.parallel.dtensors import full_tensor, is_dtensor  # noqa: E402
 
 #: Seconds per launch, all ranks together: a hang detector. Eight ranks of three transformers
 #: models take about 130 s alone on a slow 2-core machine, longer beside other tests.

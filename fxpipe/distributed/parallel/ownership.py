@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.distributed.dtensors import full_tensor, is_dtensor, local_part, local_tensor, strided
+from fxpipe.distributed.parallel.dtensors import (
+    full_tensor,
+    is_dtensor,
+    local_part,
+    local_tensor,
+    strided,
+)
 from fxpipe.ir import StageProgram
 
 __all__ = ["Ownership", "full_tensor", "is_dtensor", "local_tensor", "merge_state_dicts"]

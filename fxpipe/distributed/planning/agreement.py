@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from fxpipe.compiler import Compiled
-from fxpipe.distributed.mesh import comm_device
+from fxpipe.distributed.parallel.mesh import comm_device
 from fxpipe.errors import FxPipeError
 from fxpipe.ir import PRICING_MODES, PipelinePlan, StageProgram
 

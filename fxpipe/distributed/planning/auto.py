@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.distributed.layout import LAYOUT_SCHEDULES, suggest_layout
-from fxpipe.distributed.layout_estimate import LayoutEstimate
 from fxpipe.distributed.options import ScheduleOptions
+from fxpipe.distributed.planning.estimate import LayoutEstimate
+from fxpipe.distributed.planning.layout import LAYOUT_SCHEDULES, suggest_layout
 from fxpipe.errors import ConfigError
 
 __all__ = ["AUTO", "ScheduleChoice", "choose_schedule"]

@@ -1,8 +1,8 @@
 """Ranks the pipeline x data-parallel layouts of a model over ``world_size`` ranks by the step
-time and the memory per rank fxpipe predicts (:mod:`fxpipe.distributed.layout_estimate`: the
+time and the memory per rank fxpipe predicts (:mod:`fxpipe.distributed.planning.estimate`: the
 estimate of one layout, and its formulas): :func:`suggest_layout`, the layouts a world size,
 a batch and the schedules allow, fitting ones first. ``format_layouts``
-(:mod:`fxpipe.distributed.layout_table`) prints them.
+(:mod:`fxpipe.distributed.planning.table`) prints them.
 """
 
 from __future__ import annotations
@@ -17,21 +17,6 @@ from torch import nn
 
 from fxpipe.devices.budgets import parse_amount
 from fxpipe.devices.targets import parse_device
-from fxpipe.distributed.layout_estimate import (
-    NO_RUNTIME_COSTS,
-    RUNTIME_COSTS,
-    LayoutEstimate,
-    Priced,
-    RuntimeCosts,
-    Split,
-    estimate,
-    priced_model,
-    runs,
-    runtime_costs_for,
-    stage_split,
-)
-from fxpipe.distributed.layout_table import format_layouts
-from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
 from fxpipe.distributed.options import (
     SCHEDULES,
     V_SHAPED,
@@ -41,6 +26,18 @@ from fxpipe.distributed.options import (
     check_schedule,
     micro_batch_problem,
 )
+from fxpipe.distributed.planning.estimate import (
+    NO_RUNTIME_COSTS,
+    RUNTIME_COSTS,
+    LayoutEstimate,
+    RuntimeCosts,
+    estimate,
+    runs,
+    runtime_costs_for,
+)
+from fxpipe.distributed.planning.priced import Priced, Split, priced_model, stage_split
+from fxpipe.distributed.planning.table import format_layouts
+from fxpipe.distributed.planning.tensor_costs import DEFAULT_TP_BANDWIDTH, tensor_costs
 from fxpipe.errors import ConfigError
 from fxpipe.ir import CHECKPOINT_MODES, TRACERS, CheckpointMode, PricingMode, TracerName
 from fxpipe.options import check_choice, check_slack
@@ -109,8 +106,8 @@ def suggest_layout(
 ) -> list[LayoutEstimate]:
     """Rank the (pp, dp, tp, virtual, chunks, schedule) layouts of ``model`` over
     ``world_size`` ranks by the step time fxpipe predicts and by memory per rank (the
-    formulas are in the docstrings of :mod:`fxpipe.distributed.layout_estimate` and, for
-    ``tp``, :mod:`fxpipe.distributed.layout_tensor`). Compile only: nothing runs on a
+    formulas are in the docstrings of :mod:`fxpipe.distributed.planning.estimate` and, for
+    ``tp``, :mod:`fxpipe.distributed.planning.tensor_costs`). Compile only: nothing runs on a
     device; a model on ``meta`` works.
 
     Args:

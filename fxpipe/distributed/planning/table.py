@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from fxpipe.distributed.layout_estimate import LayoutEstimate
+from fxpipe.distributed.planning.estimate import LayoutEstimate
 
 __all__ = ["format_layouts"]
 

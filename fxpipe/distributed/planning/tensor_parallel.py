@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.compiler import Compiled
-from fxpipe.distributed.agreement import MeasuredCost
+from fxpipe.distributed.planning.agreement import MeasuredCost
 from fxpipe.ir import PipelinePlan
 from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.local import local_program
@@ -41,14 +41,14 @@ def rank_costs(
     sequence_parallel: SequenceChoice = "auto",
 ) -> tuple[MeasuredCost | None, tuple[frozenset[str], ...]]:
     """Each node's cost on one of ``tp`` ranks, in seconds, as ``fd.suggest_layout`` prices
-    it (:func:`fxpipe.distributed.layout_tensor.tensor_costs`: a node the plan cuts costs
+    it (:func:`fxpipe.distributed.planning.tensor_costs.tensor_costs`: a node the plan cuts costs
     ``1 / tp``, one it leaves whole all of it, and each collective its bytes over
     NVLink): the cost the stages are balanced by when tensor parallelism cuts them (None
     for costs in other units, parameter bytes or a cost function, which stay as they are);
     and the regions the plan of the whole graph cuts (:func:`cut_regions`), which the
     stages' borders are to keep whole."""
-    from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS
-    from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
+    from fxpipe.distributed.planning.layout import DEFAULT_DEVICE_FLOPS
+    from fxpipe.distributed.planning.tensor_costs import DEFAULT_TP_BANDWIDTH, tensor_costs
 
     costs = compiled.plan.costs
     gm, values = compiled.plan.graph_module, compiled.traced.example_values

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fxpipe.distributed.dtensors import full_tensor, local_part, local_tensor, strided
+from fxpipe.distributed.parallel.dtensors import full_tensor, local_part, local_tensor, strided
 from fxpipe.errors import CheckpointError
 
 __all__ = ["optimizer_state", "set_optimizer_state", "save_state", "load_state"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxpipe.distributed.mesh import Layout, comm_device
-from fxpipe.distributed.ownership import Ownership, is_dtensor, local_tensor
+from fxpipe.distributed.parallel.mesh import Layout, comm_device
+from fxpipe.distributed.parallel.ownership import Ownership, is_dtensor, local_tensor
 
 __all__ = ["sum_tied_gradients"]
 

@@ -17,23 +17,23 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_unflatten
 
-from fxpipe.distributed.auto import ScheduleChoice
-from fxpipe.distributed.checkpoint import (
+from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
+from fxpipe.distributed.parallel.mesh import Layout
+from fxpipe.distributed.parallel.ownership import Ownership, full_tensor, merge_state_dicts
+from fxpipe.distributed.planning.auto import ScheduleChoice
+from fxpipe.distributed.planning.tensor_parallel import cut_dims, parallelize_stages
+from fxpipe.distributed.rank.checkpoint import (
     load_state,
     optimizer_state,
     save_state,
     set_optimizer_state,
 )
-from fxpipe.distributed.gradients import sum_tied_gradients
-from fxpipe.distributed.mesh import Layout
-from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
-from fxpipe.distributed.ownership import Ownership, full_tensor, merge_state_dicts
-from fxpipe.distributed.shapes import Metas, StageShapes, meta_like, tensors
-from fxpipe.distributed.stage import Stage, StageModule, taken_metas
-from fxpipe.distributed.step_shapes import StepShapes
-from fxpipe.distributed.strides import Strides
-from fxpipe.distributed.tensor_parallel import cut_dims, parallelize_stages
-from fxpipe.distributed.tied_guard import TiedGuard
+from fxpipe.distributed.rank.gradients import sum_tied_gradients
+from fxpipe.distributed.rank.shapes import Metas, StageShapes, meta_like, tensors
+from fxpipe.distributed.rank.stage import Stage, StageModule, taken_metas
+from fxpipe.distributed.rank.step_shapes import StepShapes
+from fxpipe.distributed.rank.strides import Strides
+from fxpipe.distributed.rank.tied_guard import TiedGuard
 from fxpipe.errors import ConfigError
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.options import CompileOptions

@@ -26,8 +26,8 @@ from torch._subclasses.fake_tensor import (
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.distributed.split_backward import autograd_nodes
-from fxpipe.distributed.strides import Strides, layout_of
+from fxpipe.distributed.rank.split_backward import autograd_nodes
+from fxpipe.distributed.rank.strides import Strides, layout_of
 from fxpipe.errors import ConfigError
 from fxpipe.ir import StageProgram
 

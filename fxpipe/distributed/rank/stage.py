@@ -13,15 +13,15 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from fxpipe.distributed.shapes import Metas
-from fxpipe.distributed.split_backward import (
+from fxpipe.distributed.rank.shapes import Metas
+from fxpipe.distributed.rank.split_backward import (
     disjoint_param_groups,
     stage_graph,
     weight_gradients,
     weight_side,
 )
-from fxpipe.distributed.strides import Strides, give_back, hand_out, received, sent
-from fxpipe.distributed.tied_guard import TiedGuard
+from fxpipe.distributed.rank.strides import Strides, give_back, hand_out, received, sent
+from fxpipe.distributed.rank.tied_guard import TiedGuard
 from fxpipe.errors import ConfigError
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
@@ -104,7 +104,7 @@ class _Anchor(torch.autograd.Function):
     joined in the autograd graph to ``anchor`` (a stage input); its gradient passes to
     ``t`` alone, in ``t``'s layout when the copy was made contiguous to be sent. Tensor
     arguments only, so that its backward's results line up with its node's inputs
-    (:mod:`fxpipe.distributed.split_backward` calls it)."""
+    (:mod:`fxpipe.distributed.rank.split_backward` calls it)."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -240,7 +240,7 @@ class Stage(PipelineStage):
         self, backward_type: str, bwd_kwargs: dict[str, Any], *args: Any, **kwargs: Any
     ) -> Any:
         """torch's, but for the weight part of a split backward, which
-        :mod:`fxpipe.distributed.split_backward` computes (torch's counts some gradients
+        :mod:`fxpipe.distributed.rank.split_backward` computes (torch's counts some gradients
         twice, or runs the activations' backward again and crashes): after the input part,
         the Parameter groups are made disjoint and each gets its weight side; the weight
         part runs under torch's data-parallel settings, with torch's own given no group."""

@@ -7,7 +7,7 @@ first rank checks the step's call (the model's arguments as traced, the example'
 of rows, the sizes the graph fixes and the conditions torch.export recorded on them) and
 sends the micro-batch size of every tensor argument, or word that it refused the call and
 why, on which every rank raises. Where the sizes differ from the previous step's, every
-rank finds its stages' shapes for them (:func:`fxpipe.distributed.shapes.shapes_at`, once
+rank finds its stages' shapes for them (:func:`fxpipe.distributed.rank.shapes.shapes_at`, once
 per set of sizes, then cached) and its stages re-make their buffers.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.distributed.shapes import StageShapes, shapes_at
+from fxpipe.distributed.rank.shapes import StageShapes, shapes_at
 from fxpipe.errors import ConfigError, InputError
 from fxpipe.ir import StageProgram
 from fxpipe.trace.binding import InputBinder, bind_arguments

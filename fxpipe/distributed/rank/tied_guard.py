@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fxpipe.distributed.ownership import Ownership
+from fxpipe.distributed.parallel.ownership import Ownership
 from fxpipe.errors import ConfigError
 
 __all__ = ["TiedGuard"]

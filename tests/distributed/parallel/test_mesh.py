@@ -1,6 +1,6 @@
-"""fxpipe.distributed.mesh: pipeline x data parallel over a (pp, dp) DeviceMesh against eager
-PyTorch on the global batch (DDP and FSDP2), and what each stage's wrapping leaves whole or
-unwrapped."""
+"""fxpipe.distributed.parallel.mesh: pipeline x data parallel over a (pp, dp) DeviceMesh
+against eager PyTorch on the global batch (DDP and FSDP2), and what each stage's wrapping
+leaves whole or unwrapped."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def test_fsdp_leaves_whole_a_parameter_read_by_two_stages_of_one_rank(
     leave a Parameter out is refused, naming the stages."""
     from dataclasses import replace
 
-    from fxpipe.distributed import mesh
-    from fxpipe.distributed.mesh import Layout, check_sharding
+    from fxpipe.distributed.parallel import mesh
+    from fxpipe.distributed.parallel.mesh import Layout, check_sharding
 
     shared = nn.Linear(2, 2)
     both = {id(shared.weight), id(shared.bias)}
@@ -131,7 +131,7 @@ def test_a_stage_without_parameters_is_not_wrapped_for_data_parallelism() -> Non
     have any parameter"), so neither wraps it; a stage with Parameters is wrapped."""
     from dataclasses import replace
 
-    from fxpipe.distributed.mesh import Layout
+    from fxpipe.distributed.parallel.mesh import Layout
 
     ddp = Layout(None, dp_group=object(), dp_size=2, data_parallel="ddp")  # type: ignore[arg-type]
     bare = nn.Sequential(nn.ReLU())
@@ -159,7 +159,7 @@ def test_only_a_stage_holding_a_weight_it_reads_for_its_dtype_makes_ddp_search(
     reads the first layer's weight for its dtype); elsewhere the search is skipped (and
     torch's warning that it found none)."""
     from fxpipe.compiler import compile_model
-    from fxpipe.distributed.shapes import example_shapes
+    from fxpipe.distributed.rank.shapes import example_shapes
     from fxpipe.options import PlanOptions
 
     case = ZOO[name]

@@ -1,5 +1,5 @@
-"""fxpipe.distributed.ownership: which of the model's tensors each rank keeps (a tied weight
-on every rank that reads it), the others released, a model built on ``meta`` materialised
+"""fxpipe.distributed.parallel.ownership: which of the model's tensors each rank keeps (a tied
+weight on every rank that reads it), the others released, a model built on ``meta`` materialised
 and loaded rank by rank, and the shards merged."""
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpipe.distributed.auto import choose_schedule
-from fxpipe.distributed.layout import LAYOUT_SCHEDULES, suggest_layout
 from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
+from fxpipe.distributed.planning.auto import choose_schedule
+from fxpipe.distributed.planning.layout import LAYOUT_SCHEDULES, suggest_layout
 from fxpipe.errors import ConfigError
 from tests.distributed.ranks import (
     check_against_eager,

@@ -1,4 +1,4 @@
-"""fxpipe.distributed.layout, layout_estimate and layout_table: the layouts suggest_layout
+"""fxpipe.distributed.planning: layout, priced, estimate and table: the layouts suggest_layout
 ranks, their step-time terms against the formulas written out again here, memory against
 budgets, meta models, bad options and the table."""
 
@@ -17,9 +17,13 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 import fxpipe
 import fxpipe.distributed as fd
-from fxpipe.distributed import layout_estimate
-from fxpipe.distributed.layout import DEFAULT_DP_BANDWIDTH, LAYOUT_SCHEDULES, format_layouts
-from fxpipe.distributed.layout_estimate import in_flight, placement
+from fxpipe.distributed.planning import estimate as layout_estimate
+from fxpipe.distributed.planning.estimate import in_flight, placement
+from fxpipe.distributed.planning.layout import (
+    DEFAULT_DP_BANDWIDTH,
+    LAYOUT_SCHEDULES,
+    format_layouts,
+)
 from fxpipe.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,5 @@
-"""fxpipe.distributed.layout_tensor and suggest_layout's ``tensor_parallel``: a rank's costs
-under the model's own tensor-parallel plan, written out again from the plan here, the
+"""fxpipe.distributed.planning.tensor_costs and suggest_layout's ``tensor_parallel``: a rank's
+costs under the model's own tensor-parallel plan, written out again from the plan here, the
 (pp, dp, tp) layouts ranked with them, and the same costs in seconds, by which
 ``pipeline_schedule`` balances the stages it cuts."""
 
@@ -15,10 +15,11 @@ from torch import nn
 
 import fxpipe.distributed as fd
 from fxpipe.compiler import Compiled, compile_model
-from fxpipe.distributed import layout_estimate
-from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS, format_layouts
-from fxpipe.distributed.layout_tensor import DEFAULT_TP_BANDWIDTH, tensor_costs
-from fxpipe.distributed.tensor_parallel import rank_costs
+from fxpipe.distributed.planning import estimate as layout_estimate
+from fxpipe.distributed.planning import priced as layout_priced
+from fxpipe.distributed.planning.layout import DEFAULT_DEVICE_FLOPS, format_layouts
+from fxpipe.distributed.planning.tensor_costs import DEFAULT_TP_BANDWIDTH, tensor_costs
+from fxpipe.distributed.planning.tensor_parallel import rank_costs
 from fxpipe.errors import ConfigError
 from fxpipe.options import PlanOptions
 
@@ -37,8 +38,8 @@ def _ids() -> torch.Tensor:
 
 
 @cache
-def _priced(heads: int = 4) -> layout_estimate.Priced:
-    return layout_estimate.priced_model(
+def _priced(heads: int = 4) -> layout_priced.Priced:
+    return layout_priced.priced_model(
         _toy(heads), (_ids(),), None, "flops", "auto", torch.device("cuda"), 1.0
     )
 
@@ -168,7 +169,7 @@ def test_a_stage_input_named_after_a_cut_product_is_not_cut_in_that_stage() -> N
     """A stage's inputs are named after the values other stages computed; a row-wise
     product's output sent on is whole, and the next stage's plan must not take the
     product's style for its input (a partition by one rank's costs put one on a border)."""
-    from fxpipe.distributed.tensor_parallel import stage_plan
+    from fxpipe.distributed.planning.tensor_parallel import stage_plan
     from fxpipe.passes.tensor.plan import tensor_plan
 
     compiled = _compiled("auto")

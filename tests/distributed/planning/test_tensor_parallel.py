@@ -19,11 +19,15 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 import fxpipe
 import fxpipe.distributed as fd
-from fxpipe.distributed.layout import DEFAULT_DEVICE_FLOPS
-from fxpipe.distributed.mesh import mesh_layout
 from fxpipe.distributed.options import ScheduleOptions
-from fxpipe.distributed.ownership import is_dtensor
+from fxpipe.distributed.parallel.mesh import mesh_layout
+from fxpipe.distributed.parallel.ownership import is_dtensor
+from fxpipe.distributed.planning.layout import DEFAULT_DEVICE_FLOPS
 from fxpipe.errors import ConfigError
+from tests.distributed.rank.test_checkpoint import _eager_steps as eager_steps
+from tests.distributed.rank.test_checkpoint import _lm_mean as lm_mean
+from tests.distributed.rank.test_checkpoint import _optimizer as sgd
+from tests.distributed.rank.test_checkpoint import _train_steps as train_steps
 from tests.distributed.ranks import (
     BATCH,
     N_MB,
@@ -39,10 +43,6 @@ from tests.distributed.ranks import (
     train_cases,
     whole,
 )
-from tests.distributed.test_checkpoint import _eager_steps as eager_steps
-from tests.distributed.test_checkpoint import _lm_mean as lm_mean
-from tests.distributed.test_checkpoint import _optimizer as sgd
-from tests.distributed.test_checkpoint import _train_steps as train_steps
 
 preload(__name__)
 

@@ -1,4 +1,4 @@
-"""fxpipe.distributed.checkpoint: one torch.distributed.checkpoint for a whole job, saved at
+"""fxpipe.distributed.rank.checkpoint: one torch.distributed.checkpoint for a whole job, saved at
 one layout and read back at another, and by the unpipelined model."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fxpipe.distributed.gradients: the gradients of a Parameter several ranks hold, summed once
+"""fxpipe.distributed.rank.gradients: the gradients of a Parameter several ranks hold, summed once
 per step by ``sync_tied_gradients`` into eager's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fxpipe.distributed.runner: a rank whose stage fails stops every rank of the job, with a
+"""fxpipe.distributed.rank.runner: a rank whose stage fails stops every rank of the job, with a
 mesh too, within the time limit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fxpipe.distributed.split_backward: the weight part of a zero-bubble stage's backward,
+"""fxpipe.distributed.rank.split_backward: the weight part of a zero-bubble stage's backward,
 against eager autograd on the same stage, after torch's own input part."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from models import ZOO
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input
 
-from fxpipe.distributed.split_backward import (
+from fxpipe.distributed.rank.split_backward import (
     disjoint_param_groups,
     stage_graph,
     weight_gradients,

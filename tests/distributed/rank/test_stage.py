@@ -1,4 +1,4 @@
-"""fxpipe.distributed.stage: what a stage module hands torch to send under zero bubble."""
+"""fxpipe.distributed.rank.stage: what a stage module hands torch to send under zero bubble."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import fxpipe.distributed as fd
 from fxpipe.compiler import compile_model
-from fxpipe.distributed.shapes import StageShapes, example_shapes
-from fxpipe.distributed.step_shapes import StepShapes
+from fxpipe.distributed.rank.shapes import StageShapes, example_shapes
+from fxpipe.distributed.rank.step_shapes import StepShapes
 from fxpipe.errors import ConfigError, InputError
 from fxpipe.options import PlanOptions
 from tests.distributed.ranks import (

@@ -1,4 +1,4 @@
-"""fxpipe.distributed.strides: boundary values keep eager's layout across a send, alone and
+"""fxpipe.distributed.rank.strides: boundary values keep eager's layout across a send, alone and
 on two ranks against eager PyTorch."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from models import LocalConvBlock, LocalConvTokens
 from torch import nn
 
 import fxpipe.distributed as fd
-from fxpipe.distributed.strides import (
+from fxpipe.distributed.rank.strides import (
     contiguous_strides,
     in_layout,
     layout_of,

@@ -1,4 +1,4 @@
-"""fxpipe.distributed.tied_guard: an optimizer update of a tied copy without
+"""fxpipe.distributed.rank.tied_guard: an optimizer update of a tied copy without
 ``sync_tied_gradients`` before it is refused at the next step, on every rank holding one."""
 
 from __future__ import annotations

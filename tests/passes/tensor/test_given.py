@@ -1,6 +1,6 @@
 """A plan given in torch's ``parallelize_module`` form: the found plan written in that form and
 given back is found again (Llama, Qwen2); a plan of the MLPs alone cuts them and nothing
-else (run on gloo ranks in tests/distributed/test_tensor_parallel.py); a named cut the
+else (run on gloo ranks in tests/distributed/planning/test_tensor_parallel.py); a named cut the
 search cannot make, a path that names nothing and a style fxpipe does not run are refused
 with the reason."""
 

@@ -3,7 +3,7 @@ a per-head norm's weight (a module), a per-head scale (a Parameter read as it is
 read as ``1 + g`` (Gemma's norm), which the plan finds and says, and whose gradients, summed
 over the tp ranks, equal eager's at tp=2 and tp=4; after an SGD step every tp rank holds the
 same copy of each. (Qwen3 and Gemma3, whose per-head q and k norms were wrong before, are
-in ``tests/distributed/test_tensor_parallel.py``.)"""
+in ``tests/distributed/planning/test_tensor_parallel.py``.)"""
 
 from __future__ import annotations
 

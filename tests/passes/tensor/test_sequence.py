@@ -6,7 +6,7 @@ flattened, read them unflattened to do the same; a whole attention declines it u
 ``"auto"`` with the reason, and is cut under True;
 a region stays in its stage; the local program runs the regions as DTensors (entries,
 gathers, a norm module as its function). The numbers (equal to eager) are in
-``test_parallelize.py`` and ``tests/distributed/test_tensor_parallel.py``."""
+``test_parallelize.py`` and ``tests/distributed/planning/test_tensor_parallel.py``."""
 
 from __future__ import annotations
 
