@@ -1,2 +1,3 @@
-"""The mesh sweep: the sweep's models on a 2 x 2 mesh of processes under torch's pipeline
-schedules with DDP or FSDP, each (model, configuration) checked against eager."""
+"""The mesh sweep: the sweep's models on meshes of processes (pipeline alone, x data, x
+tensor parallel) under torch's pipeline schedules, each (model, configuration, dtype)
+checked against eager."""

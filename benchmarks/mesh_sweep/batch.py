@@ -1,10 +1,9 @@
-"""The mesh sweep's configurations, and each model's global batch and loss, made alike in
+"""Each model of the mesh sweep, its global batch at each step and its loss, made alike in
 every rank and in the driver."""
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,55 +11,36 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from benchmarks.harness.models.hf_text import HfBuild
 from benchmarks.harness.models.registry import registry
 from benchmarks.harness.models.spec import Args, Kwargs
 from benchmarks.harness.oracle import split_rows
-from benchmarks.harness.prepare import to_double, zero_dropout
+from benchmarks.harness.prepare import map_tensors, to_double, zero_dropout
+from benchmarks.mesh_sweep.configs import Config
 
-__all__ = ["PP", "DP", "WORLD", "LR", "Config", "CONFIGS", "configs_for", "prepared",
-           "widened", "batch_size", "projection_loss", "micro_batches"]  # fmt: skip
+__all__ = ["LR", "DTYPES", "Prepared", "prepared", "widened", "resized", "batch_size",
+           "projection_loss", "projection_terms", "micro_batches", "replica_part"]  # fmt: skip
 
-PP, DP = 2, 2
-WORLD = PP * DP
 LR = 0.01
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
-@dataclass(frozen=True)
-class Config:
-    """One way to run the mesh: torch's schedule, stages per rank, the data parallelism, and
-    the micro-batches per replica (each the fewest the schedule accepts on 2 ranks)."""
+@dataclass
+class Prepared:
+    """A model ready for one configuration: the model, each step's global batch (with its
+    sequence length: None for the example's) and the example batch's rows."""
 
-    schedule: str
-    stages_per_rank: int
-    data_parallel: str
-    n_microbatches: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.schedule}/{self.data_parallel}"
+    model: nn.Module
+    batches: list[tuple[Args, Kwargs]]
+    lengths: list[int | None]
+    example_rows: int
 
 
-CONFIGS = (
-    Config("gpipe", 1, "ddp", 2),
-    Config("1f1b", 1, "fsdp", 2),
-    Config("loopedbfs", 2, "ddp", 2),
-    Config("interleaved1f1b", 2, "fsdp", 2),
-    Config("zbvzerobubble", 2, "fsdp", 4),  # zero bubble: FSDP only (DDP misses W passes)
-)
-
-
-def configs_for(name: str, count: int) -> list[Config]:
-    """``count`` of the configurations (all when ``count >= len(CONFIGS)``), starting at one
-    fixed per model name, so that a sweep over many models covers each about equally."""
-    if count >= len(CONFIGS):
-        return list(CONFIGS)
-    start = zlib.crc32(name.encode()) % len(CONFIGS)
-    return [CONFIGS[(start + i) % len(CONFIGS)] for i in range(count)]
-
-
-def prepared(name: str, m: int | None = None) -> tuple[nn.Module, Args, Kwargs]:
-    """The model of ``name`` in float64 with no dropout, in train mode, and its global batch
-    (with ``m``: :func:`widened` to ``m`` micro-batches per replica)."""
+def prepared(name: str, config: Config, dtype: torch.dtype = torch.float64) -> Prepared:
+    """The model of ``name`` built in float64 with no dropout, in train mode, then cast to
+    ``dtype``; each step's global batch (floating inputs in ``dtype``): at ``config``'s
+    lengths for a text model (else one step at the example), of ``config.dp x config.rows``
+    rows, or with ``rows`` None the example's, :func:`widened` to ``dp x m``."""
     spec = registry()[name]
     torch.manual_seed(0)
     # the driver checks model after model: each gets its own default dtype, as a rank does
@@ -68,8 +48,20 @@ def prepared(name: str, m: int | None = None) -> tuple[nn.Module, Args, Kwargs]:
     model, args, kwargs = spec.build()
     model = model.double().train()
     zero_dropout(model)
-    args, kwargs = to_double(args), to_double(kwargs)
-    return (model, *widened(args, kwargs, DP * m)) if m else (model, args, kwargs)
+    model = model.to(dtype)
+    build = spec.build
+    lengths: list[int | None] = [None]
+    inputs = [(args, kwargs)]
+    if config.lengths and isinstance(build, HfBuild) and build.text:
+        lengths = list(config.lengths)
+        inputs = [build.inputs(n) for n in lengths]
+    rows = config.dp * (config.rows or config.n_microbatches)
+    batches = []
+    for a, k in inputs:
+        a, k = to_double(a), to_double(k)
+        a, k = resized(a, k, rows) if config.rows else widened(a, k, rows)
+        batches.append(map_tensors((a, k), lambda x: x.to(dtype) if x.is_floating_point() else x))
+    return Prepared(model, batches, lengths, batch_size(args, kwargs))
 
 
 def widened(args: Args, kwargs: Kwargs, rows: int) -> tuple[Args, Kwargs]:
@@ -92,22 +84,31 @@ def widened(args: Args, kwargs: Kwargs, rows: int) -> tuple[Args, Kwargs]:
     return args, kwargs
 
 
+def resized(args: Args, kwargs: Kwargs, rows: int) -> tuple[Args, Kwargs]:
+    """The batch at exactly ``rows`` rows: its first ``rows``, or :func:`widened` to them."""
+    args, kwargs = widened(args, kwargs, rows)
+    cut = tree_map(lambda x: x[:rows] if isinstance(x, torch.Tensor) and x.dim() else x,
+                   (args, kwargs))  # fmt: skip
+    return cut[0], cut[1]
+
+
 def batch_size(args: Args, kwargs: Kwargs) -> int:
     return next(x.size(0) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor))
 
 
 def _weights(i: int, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Leaf ``i``'s loss weights: per sample (from its global index) when the leaf's first
-    dimension is the micro-batch's, else one fixed draw for the whole leaf."""
+    dimension is the micro-batch's, else one fixed draw for the whole leaf; drawn in float64
+    and rounded to the leaf's dtype, so that a run in another dtype weighs as float64's."""
     gen = torch.Generator()
     if x.dim() and x.size(0) == index.numel():
         rows = []
         for s in index.tolist():
             gen.manual_seed(1_000_003 * i + int(s))
-            rows.append(torch.randn(x.shape[1:], generator=gen, dtype=x.dtype))
-        return torch.stack(rows)
+            rows.append(torch.randn(x.shape[1:], generator=gen, dtype=torch.float64))
+        return torch.stack(rows).to(x.dtype)
     gen.manual_seed(10**9 + i)
-    return torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    return torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)
 
 
 def projection_loss(output: Any, index: torch.Tensor) -> torch.Tensor:
@@ -120,7 +121,21 @@ def projection_loss(output: Any, index: torch.Tensor) -> torch.Tensor:
     return sum(terms, torch.zeros((), dtype=torch.float64))
 
 
-def micro_batches(args: Args, kwargs: Kwargs, m: int) -> list[list[Any]]:
-    """Per replica, its ``m`` micro-batches as ``(args, kwargs, index)``."""
+def projection_terms(output: Any, index: torch.Tensor) -> torch.Tensor:
+    """:func:`projection_loss`'s terms (each output element times its weight), flat, in
+    float64."""
+    leaves = [x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)]
+    terms = [(x.detach() * _weights(i, x, index)).double().flatten()
+             for i, x in enumerate(leaves) if x.is_floating_point()]  # fmt: skip
+    return torch.cat(terms) if terms else torch.zeros(0, dtype=torch.float64)
+
+
+def replica_part(args: Args, kwargs: Kwargs, dp: int, replica: int) -> list[Any]:
+    """Replica ``replica``'s slice of the global batch as ``[args, kwargs, index]``."""
     index = torch.arange(batch_size(args, kwargs))
-    return [split_rows(part, m) for part in split_rows((args, kwargs, index), DP)]
+    return list(split_rows((args, kwargs, index), dp)[replica])
+
+
+def micro_batches(args: Args, kwargs: Kwargs, m: int, dp: int) -> list[list[Any]]:
+    """Per replica, its ``m`` micro-batches as ``(args, kwargs, index)``."""
+    return [split_rows(replica_part(args, kwargs, dp, r), m) for r in range(dp)]
