@@ -1,6 +1,7 @@
-"""Compiled stages over the test zoo: every model, pipelined over 2 stages with
-``compile=`` (torch's ``aot_eager`` backend: dynamo and AOTAutograd, the whole compile path
-but inductor's code generation), in float64, equal to eager: outputs and every gradient.
+"""Compiled stages over the test zoo: every model but three (NOT_COMPILED), pipelined over 2
+stages with ``compile=`` (torch's ``aot_eager`` backend: dynamo and AOTAutograd, the whole
+compile path but inductor's code generation), in float64, equal to eager: outputs and every
+gradient.
 Dropout at p=0 and BatchNorm models in eval mode, as in test_transparency.py."""
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from torch.utils._pytree import tree_flatten
 import fxpipe
 
 QUICK = "multi_io_dict"
+#: Left out here for the suite's time (about a minute of CPU): a deeper chain of the
+#: residual MLP's blocks and two more CNNs of the kinds resnet and transformer compile
+#: already; each runs uncompiled in test_transparency.py.
+NOT_COMPILED = ("deep_mlp", "unet", "inception")
 
 
 def _run(model: nn.Module, args: Any, kwargs: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -30,7 +35,12 @@ def _run(model: nn.Module, args: Any, kwargs: Any) -> tuple[list[Any], dict[str,
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=() if n == QUICK else pytest.mark.slow) for n in ZOO]
+    "name",
+    [
+        pytest.param(n, marks=() if n == QUICK else pytest.mark.slow)
+        for n in ZOO
+        if n not in NOT_COMPILED
+    ],
 )
 def test_compiled_zoo_model_equals_eager(name: str) -> None:
     case = ZOO[name]
