@@ -281,6 +281,27 @@ def test_transformers_models_pipelined_and_cut_equal_eager(
         assert all(r["sequence"] > 0 for r in runs), name
 
 
+def _steps_against_eager(pipe: Any, reference: torch.nn.Module, batches: Any) -> list[Any]:
+    """Each (ids, target) batch stepped through ``pipe`` and through ``reference`` (eager):
+    per step, (pipeline's loss, eager's) and, per parameter, (its whole gradient, eager's)."""
+    out = []
+    for ids, target in batches:
+        for p in pipe.parameters():
+            p.grad = None
+        reference.zero_grad()
+        losses = step(pipe, (ids,), {}, target)
+        pipe.sync_tied_gradients()
+        grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
+        loss = _hf_loss(reference(ids), target)
+        loss.backward()
+        expected = dict(reference.named_parameters(remove_duplicate=False))
+        out.append({
+            "loss": (float(sum(losses)) if losses else None, loss.item()),
+            "grads": {k: (g, expected[k].grad.clone()) for k, g in grads.items()},
+        })  # fmt: skip
+    return out
+
+
 def _hf_lengths(rank: int, world: int, *, lengths: list[int]) -> list[dict[str, Any]]:
     """Llama on a (world / 2) x 1 x 2 mesh, its norms cut along the sequence, one GPipe step
     per length (padded batches of varying, odd lengths: uneven shares of the tokens); each
@@ -304,22 +325,7 @@ def _hf_lengths(rank: int, world: int, *, lengths: list[int]) -> list[dict[str, 
         mesh=mesh, schedule="gpipe", tensor_parallel="auto",
     )  # fmt: skip
     assert pipe.tensor_plan is not None and pipe.tensor_plan.sequence
-    out = []
-    for ids, target in batches:
-        for p in pipe.parameters():
-            p.grad = None
-        reference.zero_grad()
-        losses = step(pipe, (ids,), {}, target)
-        pipe.sync_tied_gradients()
-        grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
-        loss = _hf_loss(reference(ids), target)
-        loss.backward()
-        expected = dict(reference.named_parameters(remove_duplicate=False))
-        out.append({
-            "loss": (float(sum(losses)) if losses else None, loss.item()),
-            "grads": {k: (g, expected[k].grad.clone()) for k, g in grads.items()},
-        })  # fmt: skip
-    return out
+    return _steps_against_eager(pipe, reference, batches)
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["1x1x2", "2x1x2"])
@@ -357,21 +363,7 @@ def _families(rank: int, world: int, *, names: list[str]) -> list[dict[str, Any]
             model, (batches[0][0],), n_microbatches=2, loss_fn=_hf_loss, scale_grads=False,
             mesh=mesh, schedule="1f1b", tensor_parallel="auto",
         )  # fmt: skip
-        steps = []
-        for ids, target in batches:
-            for p in pipe.parameters():
-                p.grad = None
-            reference.zero_grad()
-            losses = step(pipe, (ids,), {}, target)
-            pipe.sync_tied_gradients()
-            grads = {k: whole(p.grad) for k, p in pipe.named_parameters() if p.grad is not None}
-            loss = _hf_loss(reference(ids), target)
-            loss.backward()
-            expected = dict(reference.named_parameters(remove_duplicate=False))
-            steps.append({
-                "loss": (float(sum(losses)) if losses else None, loss.item()),
-                "grads": {k: (g, expected[k].grad.clone()) for k, g in grads.items()},
-            })  # fmt: skip
+        steps = _steps_against_eager(pipe, reference, batches)
         plan = pipe.tensor_plan
         assert plan is not None
         held = {k for k, _ in pipe.named_parameters()}
