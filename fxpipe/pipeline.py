@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fxpipe.errors import ConfigError
+from fxpipe.generation import GenerationRun, Generator
 from fxpipe.interop.trainers import DropIn
 from fxpipe.ir import CheckpointMode, Checkpoints, PipelinePlan
 from fxpipe.options import checkpoint_of_stages
@@ -43,6 +44,7 @@ class Pipeline(DropIn):
         self.chunks = session.config.chunks
         self.output_device = session.config.output_device
         self.training = model.training
+        self._generator: Generator | None = None
         self._stand_in_for(model)  # forward's signature, to(), config...: fxpipe.interop.trainers
 
     @property
@@ -105,6 +107,22 @@ class Pipeline(DropIn):
         are checked against what the trace fixed (``InputError``); an error inside a stage
         names the stage, the micro-batch and its rows (``StageRunError``)."""
         return self._session.run(args, kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.generate(...)`` through the stages: each stage keeps its own layers'
+        key/value cache on its device, and ``lanes`` groups of ``sequences_per_lane`` rows
+        are in flight at once (:mod:`fxpipe.generation`); the model's forward is never
+        called. Greedy search and beam search give the model's own tokens."""
+        if self._generator is None:
+            first = self._session.variants.first
+            self._generator = Generator(self.module, first.plan, first.program)
+        return self._generator.generate(args, kwargs, recorder=self._session.recorder)
+
+    @property
+    def last_generation(self) -> GenerationRun | None:
+        """What the last :meth:`generate` ran: lanes, groups, cache length and bytes per
+        stage (None before the first)."""
+        return None if self._generator is None else self._generator.last
 
     def train(self, mode: bool = True) -> Pipeline:
         """Set training mode (``mode=False``: eval) on the pipeline, its stages and the model;

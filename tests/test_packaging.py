@@ -152,6 +152,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fxpipe.trace", "fxpipe.options", "fxpipe.interop"),
     ("fxpipe.runtime", "fxpipe.weights"),
     ("fxpipe.compiler",),
+    ("fxpipe.generation",),
     ("fxpipe.pipeline",),
     ("fxpipe.views",),
     ("fxpipe.api", "fxpipe.distributed"),

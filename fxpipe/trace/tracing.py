@@ -48,7 +48,7 @@ from fxpipe.trace.recompute import recompute_input_values
 from fxpipe.trace.shapes import replicate_shape_queries
 from fxpipe.trace.trace_errors import trace_error
 
-__all__ = ["Traced", "trace"]
+__all__ = ["Traced", "trace", "merge_aliased_attributes"]
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def _trace_fx(
     _plain_placeholders(graph)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _drop_concrete_placeholders(gm, set(concrete))
-    _merge_aliased_attributes(gm)
+    merge_aliased_attributes(gm)
     replicate_shape_queries(gm)
     spec = _flatten_output(gm, tracer.returned)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
@@ -254,7 +254,7 @@ def _trace_export(
     guards, guarded = _guards(gm)
     kept = _drop_guards_and_constants(gm, given)
     _reattach_grad_constants(gm, program.constants)
-    _merge_aliased_attributes(gm)
+    merge_aliased_attributes(gm)
     replicate_shape_queries(gm)
     position = leaf_positions(signature, given, bound)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -481,7 +481,7 @@ def _drop_guards_and_constants(gm: fx.GraphModule, call: inspect.BoundArguments)
     return kept
 
 
-def _merge_aliased_attributes(gm: fx.GraphModule) -> None:
+def merge_aliased_attributes(gm: fx.GraphModule) -> None:
     """One ``get_attr`` node per tensor object: a tied parameter reached under two names
     becomes one value, so it lives on one device; unused ``get_attr`` nodes are dropped."""
     first: dict[int, fx.Node] = {}

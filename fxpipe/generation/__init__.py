@@ -1,0 +1,14 @@
+"""Pipelined generation: ``pipe.generate()`` with each stage holding its own layers'
+key/value cache, lanes of sequences in flight through a ring of stages.
+
+- :mod:`~fxpipe.generation.cache`: the static cache per stage, and the cache objects
+  transformers' code talks to;
+- :mod:`~fxpipe.generation.step`: one generation step traced with its cache and split along
+  the pipeline's borders (prefill and decode variants);
+- :mod:`~fxpipe.generation.ring`: the stage workers lanes' steps pass through;
+- :mod:`~fxpipe.generation.driver`: ``generate``'s own loop per lane over the ring.
+"""
+
+from fxpipe.generation.driver import GenerationRun, Generator
+
+__all__ = ["Generator", "GenerationRun"]

@@ -1,0 +1,270 @@
+"""The key/value cache of pipelined generation: each attention layer's keys and values in
+static tensors of ``(rows, heads, length, head dim)`` on the device of the stage that reads
+them, written in place, with the objects Hugging Face's code talks to while it runs.
+
+Three views of one cache:
+
+- :class:`CacheLayout` (what a layer holds: heads, head sizes, dtype), found by one run of the
+  model on ``meta`` (:func:`probe_layout`), and :class:`StageCaches`, its tensors made for a
+  batch and a length on each layer's stage device;
+- :class:`StepCache`, what the model's attention writes into while the generation step is
+  traced: each layer's new keys and values copied into its tensors at the step's positions
+  (``index_copy_``, an in-place write that the trace keeps, so the graph's stages write
+  their own layers' cache and nothing of it crosses a border);
+- :class:`LaneCache`, what ``generate``'s loop holds for a lane: how many positions it has
+  written, and beam search's reordering of its rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpipe.errors import ConfigError
+
+__all__ = [
+    "CacheLayout",
+    "LayerLayout",
+    "StageCaches",
+    "StepCache",
+    "LaneCache",
+    "probe_layout",
+    "cache_argument",
+]
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What one attention layer keeps per row and position."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_position(self) -> int:
+        """Bytes of keys and values one row holds per position."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.heads * (self.key_dim + self.value_dim) * size
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Every attention layer's cache, in the model's layer order."""
+
+    layers: tuple[LayerLayout, ...]
+
+    def bytes(self, rows: int, length: int) -> tuple[int, ...]:
+        """Bytes of each layer's keys and values for ``rows`` sequences of ``length``."""
+        return tuple(rows * length * layer.bytes_per_position() for layer in self.layers)
+
+
+def cache_argument(model: nn.Module) -> str:
+    """The keyword the model's forward takes its cache by (``cache``, or the older
+    ``past_key_values``); ConfigError where it takes none."""
+    import inspect
+
+    names = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in names:
+            return name
+    raise ConfigError(
+        f"{type(model).__name__}.forward takes no key/value cache (neither 'cache' nor "
+        "'past_key_values'), so pipelined generate() has no cache to keep on the stages; "
+        "call the model's own generate() on one device"
+    )
+
+
+@functools.cache
+def _classes() -> tuple[type[Any], type[Any]]:
+    """transformers' ``Cache``, and the layer class of this module's caches (built once,
+    when generation is first asked for: transformers is imported only then)."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class Layer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+        """One attention layer's keys and values as the model's code sees them."""
+
+        is_compileable = False
+        is_sliding = False
+        is_croppable = False
+
+        def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self.keys, self.values = keys, values
+            self.is_initialized = keys is not None
+
+        def lazy_initialization(self, *args: Any) -> None:
+            """Nothing: the tensors are made before the model runs."""
+
+        def update(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError  # the Cache's own update writes
+
+        def get_mask_sizes(self, *args: Any) -> tuple[Any, int]:
+            assert self.keys is not None
+            return self.keys.shape[2], 0
+
+        def get_seq_length(self) -> int:
+            return 0
+
+        def get_max_cache_shape(self) -> int:
+            return -1 if self.keys is None else int(self.keys.shape[2])
+
+        def get_max_length(self) -> int:
+            return self.get_max_cache_shape()
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            for t in (self.keys, self.values):
+                if t is not None:
+                    t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    return Cache, Layer
+
+
+def probe_layout(model: nn.Module, vocab_probe: torch.Tensor, argument: str) -> CacheLayout:
+    """Each attention layer's heads, head sizes and dtype, from one run of ``model`` on
+    ``meta`` over ``vocab_probe`` (token ids of one row, on ``meta``) with a cache that
+    records what each layer writes. ConfigError where a layer keeps something else (a
+    recurrent state, layers sharing one cache) or the model writes no cache at all."""
+    cache_cls, layer_cls = _classes()
+    seen: dict[int, LayerLayout] = {}
+
+    class _Probe(cache_cls):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(layers=[])
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                   *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            if layer_idx in seen or key_states.ndim != 4:
+                raise ConfigError(
+                    f"layer {layer_idx} of {type(model).__name__} writes its cache in a form "
+                    "pipelined generate() does not keep (a cache shared between layers, or "
+                    "not of (batch, heads, length, head dim)); call the model's own generate()"
+                )
+            seen[layer_idx] = LayerLayout(
+                int(key_states.shape[1]), int(key_states.shape[3]), int(value_states.shape[3]),
+                key_states.dtype,
+            )  # fmt: skip
+            while len(self.layers) <= layer_idx:
+                self.layers.append(layer_cls(None, None))
+            return key_states, value_states
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return 0
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+            return int(query_length), 0
+
+        def get_query_offset(self, layer_idx: int = 0) -> int:
+            return 0
+
+    with torch.no_grad():
+        model(input_ids=vocab_probe, **{argument: _Probe()}, use_cache=True)
+    if not seen or sorted(seen) != list(range(len(seen))):
+        raise ConfigError(
+            f"{type(model).__name__} wrote no key/value cache of its attention layers in order "
+            f"(layers {sorted(seen)}); pipelined generate() keeps one per attention layer: "
+            "call the model's own generate()"
+        )
+    return CacheLayout(tuple(seen[i] for i in range(len(seen))))
+
+
+class StageCaches:
+    """Every layer's keys and values for ``rows`` sequences of up to ``length`` positions,
+    each on its layer's device (``devices[i]``), zeros until written."""
+
+    def __init__(
+        self,
+        layout: CacheLayout,
+        devices: Sequence[torch.device],
+        rows: int,
+        length: int,
+    ) -> None:
+        self.layout, self.rows, self.length = layout, rows, length
+        self.tensors: list[torch.Tensor] = []
+        for layer, device in zip(layout.layers, devices, strict=True):
+            for dim in (layer.key_dim, layer.value_dim):
+                shape = (rows, layer.heads, length, dim)
+                self.tensors.append(torch.zeros(shape, dtype=layer.dtype, device=device))
+
+    def rows_of(self, start: int, stop: int) -> list[torch.Tensor]:
+        """Views of rows ``start:stop`` of every tensor, in the step's order (keys and values
+        of layer 0, then of layer 1, ...)."""
+        return [t[start:stop] for t in self.tensors]
+
+
+class StepCache:
+    """Made by :meth:`make`: a transformers ``Cache`` over ``tensors`` (keys and values of each
+    layer in turn) whose ``update`` writes a layer's new keys and values at ``positions``
+    (the step's absolute positions) in place and returns the whole tensors; masks are sized
+    to the whole length (the attention mask given with the step marks what is written)."""
+
+    @staticmethod
+    def make(tensors: Sequence[torch.Tensor], positions: torch.Tensor) -> Any:
+        """The cache over ``tensors`` writing at ``positions``."""
+        cache_cls, layer_cls = _classes()
+
+        class _Step(cache_cls):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                pairs = zip(tensors[0::2], tensors[1::2], strict=True)
+                super().__init__(layers=[layer_cls(k, v) for k, v in pairs])
+
+            def update(
+                self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                *args: Any, **kwargs: Any,
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                keys, values = tensors[2 * layer_idx], tensors[2 * layer_idx + 1]
+                keys.index_copy_(2, positions, key_states)
+                values.index_copy_(2, positions, value_states)
+                return keys, values
+
+            def get_seq_length(self, layer_idx: int = 0) -> Any:
+                return positions[0]
+
+            def get_query_offset(self, layer_idx: int = 0) -> Any:
+                return positions[0]
+
+            def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+                return tensors[0].shape[2], 0
+
+        return _Step()
+
+
+class LaneCache:
+    """Made by :meth:`make`: the ``Cache`` ``generate``'s loop holds for one lane: the views
+    of the lane's rows, how many positions it has written (``seen``), beam search's row
+    reordering done in place on every stage's device."""
+
+    @staticmethod
+    def make(tensors: Sequence[torch.Tensor]) -> Any:
+        """The cache of a lane whose rows of every layer are ``tensors``."""
+        cache_cls, layer_cls = _classes()
+
+        class _Lane(cache_cls):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                pairs = zip(tensors[0::2], tensors[1::2], strict=True)
+                super().__init__(layers=[layer_cls(k, v) for k, v in pairs])
+                self.tensors = list(tensors)
+                self.seen = 0
+
+            @property
+            def is_compileable(self) -> bool:
+                return False
+
+            def get_seq_length(self, layer_idx: int = 0) -> int:
+                return self.seen
+
+            def get_query_offset(self, layer_idx: int = 0) -> int:
+                return self.seen
+
+            def update(self, *args: Any, **kwargs: Any) -> Any:
+                raise ConfigError(
+                    "a pipeline's generation cache is written by its stages only; the model's "
+                    "own forward cannot use it"
+                )
+
+        return _Lane()

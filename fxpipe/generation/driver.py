@@ -1,0 +1,406 @@
+"""``pipe.generate()``: the model's own ``generate`` loop (greedy, beam search, sampling, its
+logits processors and stopping criteria), each of its forwards a step through the stages.
+
+The batch's rows are cut into groups of ``sequences_per_lane``; ``lanes`` threads each take
+the next waiting group, run ``generate``'s loop over it with that lane's rows of every
+stage's cache, and take the next group when theirs has finished (continuous batching at the
+grain of a group). Their steps meet in the :class:`fxpipe.generation.ring.Ring`, so with at
+least as many lanes as stages every stage has work. Each group keeps the batch's padding, so
+its rows compute what the same rows of the whole batch would; the groups' outputs are joined
+in row order, each padded on the right with the pad token to the longest (as ``generate``
+pads rows that finish early).
+
+The model's forward is never called: while ``generate`` runs, the model's ``forward`` is
+replaced (on the model object, restored after) by the lane's step.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpipe.errors import ConfigError, InputError
+from fxpipe.generation.cache import (
+    CacheLayout,
+    LaneCache,
+    StageCaches,
+    cache_argument,
+    probe_layout,
+)
+from fxpipe.generation.ring import Ring
+from fxpipe.generation.step import StepKind, StepVariant, trace_step
+from fxpipe.ir import PipelinePlan, StageProgram
+from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
+from fxpipe.weights.materialise import meta_view
+
+__all__ = ["Generator", "GenerationRun", "REFUSED"]
+
+#: ``generate`` options pipelined generation does not run, each with why.
+REFUSED: Mapping[str, str] = {
+    "assistant_model": "assisted decoding runs a second model beside this one",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding rolls the cache back",
+    "inputs_embeds": "prompts are token ids here (the first stage embeds them)",
+    "cache": "the pipeline keeps its own cache on the stages",
+    "past_key_values": "the pipeline keeps its own cache on the stages",
+    "cache_implementation": "the pipeline keeps its own static cache on the stages",
+}
+
+
+@dataclass(frozen=True)
+class GenerationRun:
+    """What the last ``generate`` call ran: lanes, rows, cache length and bytes per stage."""
+
+    lanes: int
+    sequences_per_lane: int
+    groups: int
+    rows: int
+    length: int
+    cache_bytes: tuple[int, ...]
+    variants: tuple[str, ...]
+
+
+class Generator:
+    """What a pipeline keeps for ``generate``: the cache layout, the step variants (traced
+    when first needed) and the last run's figures (:attr:`last`)."""
+
+    def __init__(self, model: nn.Module, plan: PipelinePlan, program: StageProgram) -> None:
+        self.model, self.plan, self.program = model, plan, program
+        self.variants: list[StepVariant] = []
+        self.last: GenerationRun | None = None
+        self._layout: CacheLayout | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ what it needs
+
+    def layout(self) -> CacheLayout:
+        """Each attention layer's cache (heads, head sizes, dtype): one run on ``meta``."""
+        if self._layout is None:
+            ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
+            with meta_view(self.model, live=True):
+                self._layout = probe_layout(self.model, ids, cache_argument(self.model))
+        return self._layout
+
+    def variant(self, kind: StepKind, rows: int) -> StepVariant:
+        """The step of ``kind`` for lanes of ``rows`` rows, traced the first time asked."""
+        with self._lock:
+            for v in self.variants:
+                if v.fits(kind, rows):
+                    return v
+            was = self.model.training
+            self.model.eval()
+            try:
+                v = trace_step(
+                    self.model, self.plan, self.program, self.layout(),
+                    cache_argument(self.model), kind=kind, rows=rows,
+                )  # fmt: skip
+            finally:
+                self.model.train(was)
+            if self.variants and v.cache_stage != self.variants[0].cache_stage:
+                raise ConfigError(
+                    f"the {kind} step keeps its layers' caches on stages {v.cache_stage}, the "
+                    f"first step on {self.variants[0].cache_stage}: a cache would move between "
+                    "steps; rebuild the pipeline with fxpipe.pipeline(model, ...) in eval mode"
+                )
+            self.variants.append(v)
+            return v
+
+    def cache_bytes(self, rows: int, length: int, rows_one: bool = False) -> tuple[int, ...]:
+        """Bytes of cache each stage holds for ``rows`` sequences of ``length`` positions."""
+        stages = self.variant("decode", 1 if rows_one else 2).cache_stage[0::2]
+        out = [0] * self.plan.num_stages
+        for j, size in zip(stages, self.layout().bytes(rows, length), strict=True):
+            out[j] += size
+        return tuple(out)
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        recorder: RunRecorder = NO_RECORDER,
+    ) -> Any:
+        """``model.generate(*args, **kwargs)`` through the stages (see the module docstring);
+        ``lanes`` and ``sequences_per_lane`` are taken out of ``kwargs``."""
+        request = _request(self.model, self.plan.num_stages, args, kwargs)
+        for r in {(b - a) * request.expand for a, b in request.groups}:  # before any step
+            kinds: tuple[StepKind, ...] = ("prefill", "decode")
+            for kind in kinds if request.ids.shape[1] > 1 else ("decode",):
+                self.variant(kind, r)
+        widest = max(b - a for a, b in request.groups) * request.expand
+        devices = [self.plan.devices[j] for j in self.variants[0].cache_stage[0::2]]
+        pools = [
+            StageCaches(self.layout(), devices, widest, request.length)
+            for _ in range(request.lanes)
+        ]
+        results = self._run_lanes(request, pools, recorder)
+        self.last = GenerationRun(
+            request.lanes, request.per_lane, len(request.groups),
+            request.ids.shape[0] * request.expand, request.length,
+            self.cache_bytes(widest * request.lanes, request.length, rows_one=widest == 1),
+            tuple(f"{v.kind}{' (one row)' if v.one_row else ''}" for v in self.variants),
+        )  # fmt: skip
+        return _joined(results, request.config)
+
+    def _run_lanes(
+        self, request: _Request, pools: list[StageCaches], recorder: RunRecorder
+    ) -> list[Any]:
+        """Every group's ``generate`` output, the groups taken by ``request.lanes`` lanes
+        (threads where several) whose steps meet in one ring."""
+        model, argument = self.model, cache_argument(self.model)
+        waiting = list(range(len(request.groups)))
+        results: dict[int, Any] = {}
+        errors: list[BaseException] = []
+        taken = threading.Lock()
+        local = threading.local()
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self._step(local.lane, local.ring, argument, args, kwargs)
+
+        def lane(j: int, ring: Ring) -> None:
+            local.lane, local.ring = j, ring
+            while not errors:
+                with taken:
+                    if not waiting:
+                        return
+                    g = waiting.pop(0)
+                try:
+                    results[g] = self._group(request, g, pools[j], argument)
+                except BaseException as e:  # raised in the caller's thread below
+                    errors.append(e)
+
+        threads = request.lanes > 1
+        recorder.begin_run()
+        with _forward_replaced(model, step):
+            with Ring(self.plan.devices, threads=threads, recorder=recorder) as ring:
+                workers = [
+                    threading.Thread(target=lane, args=(j, ring), name=f"fxpipe-lane-{j}")
+                    for j in range(request.lanes if threads else 0)
+                ]
+                for w in workers:
+                    w.start()
+                if not threads:
+                    lane(0, ring)
+                for w in workers:
+                    w.join()
+        if errors:
+            raise errors[0]
+        return [results[g] for g in range(len(request.groups))]
+
+    def _group(self, request: _Request, g: int, pool: StageCaches, argument: str) -> Any:
+        """``generate`` over group ``g``'s rows, with a cache over the lane's rows."""
+        a, b = request.groups[g]
+        rows = request.ids.shape[0]
+        cache = LaneCache.make(pool.rows_of(0, (b - a) * request.expand))
+        for t in cache.tensors:
+            t.zero_()
+        kwargs = {k: _rows(v, a, b, rows) for k, v in request.model_kwargs.items()}
+        return self.model.generate(  # type: ignore[operator]
+            request.ids[a:b], generation_config=request.config, **{argument: cache}, **kwargs
+        )
+
+    def _step(
+        self,
+        lane: int,
+        ring: Ring,
+        argument: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """One forward of ``generate``'s loop for ``lane``: its new tokens through the stages,
+        written into its rows of the cache; the logits of each row's last position."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if args:
+            raise ConfigError("generate's loop called the model with positional arguments")
+        cache = kwargs.pop(argument)
+        ids = kwargs.pop("input_ids")
+        mask = kwargs.pop("attention_mask", None)
+        position = kwargs.pop("position_ids", None)
+        for name in ("use_cache", "return_dict", "logits_to_keep"):
+            kwargs.pop(name, None)
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+        if unknown:
+            raise ConfigError(
+                f"generate() passed {unknown} to the model, which the pipeline's generation "
+                "step does not take (it takes input_ids, attention_mask and position_ids); "
+                "call generate() without them"
+            )
+        rows, tokens = ids.shape
+        seen, length = cache.seen, cache.tensors[0].shape[2]
+        if seen + tokens > length:
+            raise ConfigError(
+                f"generation went past the cache's {length} positions; pass max_new_tokens"
+            )
+        device = ids.device
+        whole = torch.zeros((rows, length), dtype=torch.long, device=device)
+        whole[:, : seen + tokens] = 1 if mask is None else mask
+        positions = torch.arange(seen, seen + tokens, device=device)
+        if position is None:  # what the model's forward does without them
+            position = positions.expand(rows, tokens)
+        variant = self.variant("prefill" if tokens > 1 else "decode", rows)
+        values = [ids, whole, position.contiguous(), positions, *cache.tensors]
+        logits = ring.step(lane, variant.program, values).to(device)
+        cache.seen = seen + tokens
+        return CausalLMOutputWithPast(logits=logits, **{argument: cache})
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One ``generate`` call resolved: prompts, generation config, how rows go to lanes."""
+
+    ids: torch.Tensor
+    config: Any
+    #: What ``generate`` passes on to the model (the attention mask, ...), per row.
+    model_kwargs: dict[str, Any]
+    #: Rows each returned sequence stands for (beams, or return sequences).
+    expand: int
+    #: Positions every row's cache holds: the prompt and every new token.
+    length: int
+    lanes: int
+    per_lane: int
+    #: (first row, end row) of each group, in order.
+    groups: tuple[tuple[int, int], ...]
+
+
+def _request(
+    model: nn.Module, stages: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _Request:
+    """The call checked and resolved (ConfigError or InputError naming what to change)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        raise ConfigError(
+            f"{type(model).__name__} has no generate(): pipelined generation runs a "
+            "transformers model's generate loop; call pipe(...) step by step instead"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"{type(model).__name__} is an encoder-decoder: pipelined generate() runs "
+            "decoder-only models for now; call the model's own generate() on one device"
+        )
+    lanes, per_lane = kwargs.pop("lanes", "auto"), kwargs.pop("sequences_per_lane", None)
+    for name, why in REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise ConfigError(f"generate({name}=...) is not run by a pipeline: {why}")
+    if kwargs.get("use_cache") is False:
+        raise ConfigError(
+            "use_cache=False would run every step over the whole prefix; a pipeline's "
+            "generate() keeps the cache on its stages: leave use_cache out"
+        )
+    ids = _prompt(args, kwargs)
+    gc: Any = copy.deepcopy(kwargs.pop("generation_config", None) or model.generation_config)
+    model_kwargs = gc.update(**kwargs)
+    if gc.cache_implementation is not None:
+        raise ConfigError(f"generation_config.cache_implementation: {REFUSED['cache']}")
+    gc.use_cache = True  # a model pipelined with use_cache=False in its config
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+        raise InputError(
+            f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}: "
+            "give one mask value per token"
+        )
+    rows = ids.shape[0]
+    lanes, per_lane = _lanes(lanes, per_lane, rows, stages, gc)
+    groups = tuple((a, min(a + per_lane, rows)) for a in range(0, rows, per_lane))
+    if len(groups) > 1 and gc.return_dict_in_generate:
+        raise ConfigError(
+            f"return_dict_in_generate=True with {len(groups)} groups of sequences: pass "
+            f"lanes=1 and sequences_per_lane={rows} (one group) to get generate's whole output"
+        )
+    expand = max(int(gc.num_beams or 1), int(gc.num_return_sequences or 1))
+    return _Request(
+        ids, gc, model_kwargs, expand, _length(gc, ids.shape[1]), lanes, per_lane, groups
+    )
+
+
+@contextmanager
+def _forward_replaced(model: nn.Module, step: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, ``model.forward`` is ``step`` (with the forward's signature, which
+    ``generate`` reads); restored after."""
+    step.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
+    had = "forward" in vars(model)
+    original = vars(model).get("forward")
+    vars(model)["forward"] = step
+    try:
+        yield
+    finally:
+        if had:
+            vars(model)["forward"] = original
+        else:
+            del vars(model)["forward"]
+
+
+def _prompt(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The prompts' token ids (positional, ``input_ids=`` or ``inputs=``), taken out."""
+    if len(args) > 1:
+        raise InputError("generate() takes the prompts' ids positionally, the rest by keyword")
+    ids = args[0] if args else kwargs.pop("input_ids", None)
+    if ids is None:
+        ids = kwargs.pop("inputs", None)
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.is_floating_point():
+        raise InputError(
+            f"generate() needs input_ids, token ids of shape (batch, length); got "
+            f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else tuple(ids.shape)}"
+        )
+    return ids
+
+
+def _length(gc: Any, prompt: int) -> int:
+    """Positions each row's cache must hold: the prompt and every new token."""
+    if gc.max_new_tokens is not None:
+        return prompt + int(gc.max_new_tokens)
+    return max(int(gc.max_length), prompt + 1)
+
+
+def _lanes(lanes: Any, per_lane: Any, rows: int, stages: int, gc: Any) -> tuple[int, int]:
+    """(lanes, sequences per lane) resolved: ``"auto"`` is one lane per stage (at most one
+    per row), the rows shared evenly; sampling runs one lane (see ``docs``)."""
+    sampling = bool(gc.do_sample)
+    if lanes == "auto":
+        lanes = 1 if sampling else min(stages, rows)
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+        raise ConfigError(f"lanes={lanes!r}: give a positive int or 'auto'")
+    if sampling and lanes > 1:
+        raise ConfigError(
+            f"lanes={lanes} with do_sample=True: sampling draws from torch's one random "
+            "generator, which lanes running side by side would draw from in no set order; "
+            "pass lanes=1 (then it equals model.generate's sampling under the same seed)"
+        )
+    if per_lane is None:
+        per_lane = -(-rows // lanes)
+    if not isinstance(per_lane, int) or isinstance(per_lane, bool) or per_lane < 1:
+        raise ConfigError(f"sequences_per_lane={per_lane!r}: give a positive int")
+    return min(lanes, -(-rows // per_lane)), per_lane
+
+
+def _rows(value: Any, a: int, b: int, rows: int) -> Any:
+    """Rows ``a:b`` of a per-row tensor argument; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == rows:
+        return value[a:b]
+    return value
+
+
+def _joined(outputs: list[Any], gc: Any) -> Any:
+    """The groups' outputs in row order, each padded on the right with the pad token."""
+    if len(outputs) == 1:
+        return outputs[0]
+    pad = gc.pad_token_id
+    if pad is None:
+        eos = gc.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+    if pad is None:
+        pad = 0
+    longest = max(o.shape[1] for o in outputs)
+    padded = [
+        torch.nn.functional.pad(o, (0, longest - o.shape[1]), value=int(pad)) for o in outputs
+    ]
+    return torch.cat(padded)

@@ -1,0 +1,258 @@
+"""One step of generation as a stage program on the pipeline's borders: the model traced by
+torch.export with its key/value cache as inputs that its attention writes in place, then
+split as the pipeline's plan splits the model, so each stage holds its own layers' cache.
+
+A step takes ``input_ids`` and ``position_ids`` of ``(rows, tokens)``, an ``attention_mask``
+of ``(rows, length)`` over the whole cache (1 where a position holds a token of the row), the
+step's absolute positions ``cache_position`` of ``(tokens,)`` and every layer's keys and
+values; it returns the logits of each row's last position. Two variants share one split:
+*prefill* (a prompt of several tokens) and *decode* (one token per row), and each exists once
+for a lane of one row (torch.export fixes a size of one into the graph). No weight and no
+cache moves between variants: their stages follow the first plan's borders
+(:mod:`fxpipe.passes.split.follow`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.errors import ConfigError
+from fxpipe.generation.cache import CacheLayout, StepCache
+from fxpipe.ir import PipelinePlan, StageProgram
+from fxpipe.model_state import preserved
+from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.search import Partition
+from fxpipe.passes.price.estimate import ValueDependentError, borrowed_costs, estimate_costs
+from fxpipe.passes.split.codegen import split_stages
+from fxpipe.passes.split.follow import follow_borders
+from fxpipe.passes.split.plan import build_plan
+from fxpipe.trace.constants import fill_meta_constants, place_constants
+from fxpipe.trace.shapes import replicate_shape_queries
+from fxpipe.trace.tracing import merge_aliased_attributes
+from fxpipe.weights.materialise import meta_view
+
+__all__ = ["StepKind", "StepVariant", "trace_step", "STEP_INPUTS"]
+
+StepKind = Literal["prefill", "decode"]
+
+#: The step's inputs before the cache tensors, in order.
+STEP_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """A generation step split into the pipeline's stages."""
+
+    kind: StepKind
+    #: Traced for lanes of one row (torch.export fixes a size of one), else of several.
+    one_row: bool
+    plan: PipelinePlan
+    program: StageProgram
+    #: The stage whose module writes each cache tensor (keys, values of layer 0, ...).
+    cache_stage: tuple[int, ...]
+
+    def fits(self, kind: StepKind, rows: int) -> bool:
+        """Whether this variant runs a step of ``kind`` over ``rows`` rows."""
+        return self.kind == kind and self.one_row == (rows == 1)
+
+
+class _Step(nn.Module):
+    """The model called for one step of generation with the static cache (traced only)."""
+
+    def __init__(self, model: nn.Module, argument: str, keeps_logits: bool) -> None:
+        super().__init__()
+        self.model, self.argument, self.keeps_logits = model, argument, keeps_logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        extra: dict[str, Any] = {self.argument: StepCache.make(caches, cache_position)}
+        if self.keeps_logits:
+            extra["logits_to_keep"] = 1
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **extra,
+        )
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        last: torch.Tensor = logits[:, -1:]
+        return last
+
+
+def trace_step(
+    model: nn.Module,
+    leader: PipelinePlan,
+    leader_program: StageProgram,
+    layout: CacheLayout,
+    argument: str,
+    *,
+    kind: StepKind,
+    rows: int,
+) -> StepVariant:
+    """The step of ``kind`` over lanes of ``rows`` rows traced and split along ``leader``'s
+    borders. The model is traced on its own tensors where they share one device, else on
+    ``meta`` views of them. The model is left as it was."""
+    import inspect
+
+    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+    step = _Step(model, argument, keeps)
+    place = _one_device(model)
+    tokens = 1 if kind == "decode" else 3
+    example = _example(layout, rows, tokens, place or torch.device("meta"))
+    view: AbstractContextManager[Any] = nullcontext() if place is not None else meta_view(model)
+    with preserved(model), view, _quiet():
+        try:
+            program = torch.export.export(
+                step, example, strict=False, dynamic_shapes=_dynamic(layout, rows, tokens)
+            )
+        except Exception as e:
+            raise ConfigError(
+                f"pipelined generate() could not trace {type(model).__name__} with its cache "
+                f"as stage state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                "; call the model's own generate() on one device"
+            ) from e
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not properly registered")
+            unlifted = program.module()
+    gm = _flat(unlifted)
+    if place is None:
+        fill_meta_constants(gm, [leader.graph_module], model)
+    example_values = tuple(chain(example[:4], example[4]))
+    try:
+        costs = estimate_costs(gm, example_values, mode="roofline", device=leader.devices[0])
+    except ValueDependentError:
+        costs = borrowed_costs(gm, leader.costs)
+    g = to_networkx(gm, costs)
+    stage_of = follow_borders(leader, gm, g)
+    plan = build_plan(
+        gm, costs, g,
+        Partition(stage_of, 0.0, "follow", 0.0, leader_program.traffic),
+        leader.devices, chunks=1, checkpoint="never", training=False,
+    )  # fmt: skip
+    split = split_stages(plan, unlifted._out_spec, traffic=leader_program.traffic)
+    place_constants(split.modules, plan.devices, model)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][len(STEP_INPUTS) :]
+    cache_stage = tuple(_reader(split, name) for name in names)
+    return StepVariant(kind, rows == 1, plan, split, cache_stage)
+
+
+def _reader(program: StageProgram, name: str) -> int:
+    """The one stage whose module takes input ``name``."""
+    readers = [j for j, names in enumerate(program.inputs) if name in names]
+    if len(readers) != 1:
+        raise ConfigError(
+            f"cache input {name} is read by stages {readers}, not one: its layer's attention "
+            "is cut by a stage border; pipelined generate() cannot keep that cache on one device"
+        )
+    return readers[0]
+
+
+def _flat(unlifted: nn.Module) -> fx.GraphModule:
+    """The exported module with one placeholder per input leaf, its guard call dropped, one
+    ``get_attr`` per tensor object (a tied head reads the embedding's) and every shape query
+    read in several places copied per reader (so that one layer's cache length read by
+    every layer ties no layers together)."""
+    assert isinstance(unlifted, fx.GraphModule)
+    graph = unlifted.graph
+    graph._codegen = fx.graph.CodeGen()
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
+            graph.erase_node(node)
+    gm = fx.GraphModule(unlifted, graph, "GenerationStep")
+    merge_aliased_attributes(gm)
+    _sizes_off_caches(gm)
+    replicate_shape_queries(gm)
+    gm.recompile()
+    return gm
+
+
+def _sizes_off_caches(gm: fx.GraphModule) -> None:
+    """Read every size the step takes from a cache tensor (its rows, its length) off the
+    first inputs instead (input_ids, the mask), where they have that size: torch.export
+    reads a size shared by many inputs from any one of them, and a stage that read a
+    later layer's cache for it would pull that cache onto its device."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    firsts, caches = placeholders[: len(STEP_INPUTS)], set(placeholders[len(STEP_INPUTS) :])
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.aten.sym_size.int or node.args[0] not in caches:
+            continue
+        size = node.meta.get("val")
+        for first in firsts:
+            shape = getattr(first.meta.get("val"), "shape", ())
+            found = [d for d, s in enumerate(shape) if _same_size(s, size)]
+            if found:
+                node.args = (first, found[0])
+                break
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes recorded by torch.export are the same symbol (or the same int)."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return bool(a.node.expr == b.node.expr)
+    return False
+
+
+def _example(layout: CacheLayout, rows: int, tokens: int, device: torch.device) -> tuple[Any, ...]:
+    """Zero-valued step inputs of ``rows`` rows, ``tokens`` new tokens, a cache of 8."""
+    length = 8
+    ids = torch.zeros((rows, tokens), dtype=torch.long, device=device)
+    mask = torch.ones((rows, length), dtype=torch.long, device=device)
+    position = torch.arange(tokens, device=device).expand(rows, tokens).contiguous()
+    caches = [
+        torch.zeros((rows, layer.heads, length, dim), dtype=layer.dtype, device=device)
+        for layer in layout.layers
+        for dim in (layer.key_dim, layer.value_dim)
+    ]
+    return ids, mask, position, torch.arange(tokens, device=device), caches
+
+
+def _dynamic(layout: CacheLayout, rows: int, tokens: int) -> tuple[Any, ...]:
+    """torch.export's dynamic dims, one named size each: rows (unless one), tokens (unless
+    one), the cache's length (shared by the mask and every layer's keys and values)."""
+    dim = torch.export.Dim
+    r = {0: dim("rows", min=2)} if rows > 1 else {}
+    t = dim("tokens", min=2) if tokens > 1 else None
+    length = dim("length", min=2)
+    ids = {**r, 1: t} if t is not None else r
+    caches = [{**r, 2: length} for _ in range(2 * len(layout.layers))]
+    return (ids, {**r, 1: length}, ids, {0: t} if t is not None else {}, caches)
+
+
+def _one_device(model: nn.Module) -> torch.device | None:
+    """The device every tensor of ``model`` lives on; None where several, or ``meta``."""
+    found = {t.device for t in chain(model.parameters(), model.buffers())}
+    if len(found) != 1:
+        return None
+    (device,) = found
+    return None if device.type == "meta" else device
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export prints partial graphs when it fails."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
+def stage_cache_devices(variant: StepVariant) -> Sequence[torch.device]:
+    """The device of each layer's cache (that of the stage writing its keys)."""
+    return [variant.plan.devices[j] for j in variant.cache_stage[0::2]]
