@@ -125,10 +125,11 @@ def _classes() -> tuple[type[Any], type[Any]]:
     return Cache, Layer
 
 
-def probe_layout(model: nn.Module, vocab_probe: torch.Tensor, argument: str) -> CacheLayout:
+def probe_layout(model: nn.Module, embeds: torch.Tensor, argument: str) -> CacheLayout:
     """Each attention layer's heads, head sizes and dtype, from one run of ``model`` on
-    ``meta`` over ``vocab_probe`` (token ids of one row, on ``meta``) with a cache that
-    records what each layer writes. ConfigError where a layer keeps something else (a
+    ``meta`` over ``embeds`` (embedded tokens of one row, on ``meta``: token ids and a mask
+    would have some models read their values) with a cache that records what each layer
+    writes. ConfigError where a layer keeps something else (a
     recurrent state, layers sharing one cache) or the model writes no cache at all."""
     cache_cls, layer_cls = _classes()
     seen: dict[int, LayerLayout] = {}
@@ -163,7 +164,13 @@ def probe_layout(model: nn.Module, vocab_probe: torch.Tensor, argument: str) -> 
             return 0
 
     with torch.no_grad():
-        model(input_ids=vocab_probe, **{argument: _Probe()}, use_cache=True)
+        try:
+            model(inputs_embeds=embeds, **{argument: _Probe()}, use_cache=True)
+        except ConfigError:
+            raise
+        except Exception:  # on meta, some kernels (grouped experts) run only while traced
+            seen.clear()
+            torch.export.export(_Traced(model, argument, _Probe), (embeds,), strict=False)
     if not seen or sorted(seen) != list(range(len(seen))):
         raise ConfigError(
             f"{type(model).__name__} wrote no key/value cache of its attention layers in order "
@@ -171,6 +178,19 @@ def probe_layout(model: nn.Module, vocab_probe: torch.Tensor, argument: str) -> 
             "call the model's own generate()"
         )
     return CacheLayout(tuple(seen[i] for i in range(len(seen))))
+
+
+class _Traced(nn.Module):
+    """The model over embedded tokens with a given cache class (for a probe under
+    torch.export)."""
+
+    def __init__(self, model: nn.Module, argument: str, cache: type[Any]) -> None:
+        super().__init__()
+        self.model, self.argument, self.cache = model, argument, cache
+
+    def forward(self, embeds: torch.Tensor) -> Any:
+        out = self.model(inputs_embeds=embeds, **{self.argument: self.cache()}, use_cache=True)
+        return out.logits if hasattr(out, "logits") else out[0]
 
 
 class StageCaches:

@@ -20,7 +20,7 @@ import copy
 import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from fxpipe.generation.cache import (
     probe_layout,
 )
 from fxpipe.generation.ring import Ring
-from fxpipe.generation.step import StepKind, StepVariant, trace_step
+from fxpipe.generation.step import StepKind, StepVariant, one_device, trace_step
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
 from fxpipe.weights.materialise import meta_view
@@ -83,9 +83,14 @@ class Generator:
     def layout(self) -> CacheLayout:
         """Each attention layer's cache (heads, head sizes, dtype): one run on ``meta``."""
         if self._layout is None:
-            ids = torch.zeros((1, 2), dtype=torch.long, device="meta")
-            with meta_view(self.model, live=True):
-                self._layout = probe_layout(self.model, ids, cache_argument(self.model))
+            model = self.model
+            table = model.get_input_embeddings().weight  # type: ignore[operator]
+            place = one_device(model)
+            view = meta_view(model, live=True) if place is None else nullcontext()
+            with view:  # a real run of two positions where one device holds the model
+                shape = (1, 2, table.shape[1])
+                embeds = torch.zeros(shape, dtype=table.dtype, device=place or "meta")
+                self._layout = probe_layout(model, embeds, cache_argument(model))
         return self._layout
 
     def variant(self, kind: StepKind, rows: int) -> StepVariant:

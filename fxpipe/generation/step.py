@@ -42,7 +42,7 @@ from fxpipe.trace.shapes import replicate_shape_queries
 from fxpipe.trace.tracing import merge_aliased_attributes
 from fxpipe.weights.materialise import meta_view
 
-__all__ = ["StepKind", "StepVariant", "trace_step", "STEP_INPUTS"]
+__all__ = ["StepKind", "StepVariant", "trace_step", "one_device", "STEP_INPUTS"]
 
 StepKind = Literal["prefill", "decode"]
 
@@ -114,7 +114,7 @@ def trace_step(
 
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
     step = _Step(model, argument, keeps)
-    place = _one_device(model)
+    place = one_device(model)
     tokens = 1 if kind == "decode" else 3
     example = _example(layout, rows, tokens, place or torch.device("meta"))
     view: AbstractContextManager[Any] = nullcontext() if place is not None else meta_view(model)
@@ -236,7 +236,7 @@ def _dynamic(layout: CacheLayout, rows: int, tokens: int) -> tuple[Any, ...]:
     return (ids, {**r, 1: length}, ids, {0: t} if t is not None else {}, caches)
 
 
-def _one_device(model: nn.Module) -> torch.device | None:
+def one_device(model: nn.Module) -> torch.device | None:
     """The device every tensor of ``model`` lives on; None where several, or ``meta``."""
     found = {t.device for t in chain(model.parameters(), model.buffers())}
     if len(found) != 1:

@@ -1,0 +1,196 @@
+"""pipe.generate(): the model's own generate loop through the stages, against model.generate
+on the unpipelined model (the oracle): greedy and beam search token for token, left padding
+and mixed prompt lengths, lanes and groups, the model's forward never called."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+import fxpipe
+from fxpipe.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+EOS = 2
+
+
+def _common() -> dict[str, Any]:
+    return dict(
+        vocab_size=VOCAB, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=EOS
+    )
+
+
+def gpt2(layers: int = 2) -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=32, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+        embd_pdrop=0.0, **_common(),
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(layers: int = 2) -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, **_common(),
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def qwen2(layers: int = 2) -> nn.Module:
+    config = transformers.Qwen2Config(
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, **_common(),
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def mixtral(layers: int = 2) -> nn.Module:
+    config = transformers.MixtralConfig(
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4,
+        num_experts_per_tok=2, **_common(),
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def prompts(rows: int = 5, length: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and mask, left-padded to mixed lengths (rows 1 and 3 shorter)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, length), generator=g)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    for row, pad in ((1, 3), (3, 2)):
+        if row < rows:
+            mask[row, :pad] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def built(make: Callable[..., nn.Module], stages: int = 2, **kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return make(**kwargs).eval()
+
+
+@contextmanager
+def forward_forbidden(model: nn.Module) -> Iterator[None]:
+    """Within the block, the model's own forward raises when it runs on real tensors (tracing
+    it, on fake or meta tensors, is how the stages are made)."""
+    cls = type(model)
+    original = cls.forward
+
+    @functools.wraps(original)  # generate reads the forward's signature
+    def refuse(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        leaves = [*args, *kwargs.values()]
+        if any(isinstance(v, torch.Tensor) and _real(v) for v in leaves):
+            raise AssertionError("the unpipelined forward ran")
+        return original(self, *args, **kwargs)
+
+    cls.forward = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.forward = original  # type: ignore[method-assign]
+
+
+def _real(t: torch.Tensor) -> bool:
+    return not t.is_meta and not isinstance(t, FakeTensor)
+
+
+@pytest.mark.parametrize("make", [gpt2, llama, qwen2, mixtral], ids=lambda f: f.__name__)
+def test_greedy_and_beam_search_equal_model_generate_token_for_token(
+    make: Callable[..., nn.Module],
+) -> None:
+    model = built(make)
+    ids, mask = prompts()
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    beams = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"attention_mask": mask})
+    with forward_forbidden(model):
+        for lanes in (1, 2):
+            out = pipe.generate(ids, attention_mask=mask, max_new_tokens=8, lanes=lanes)
+            assert torch.equal(out, greedy), f"greedy, lanes={lanes}"
+        out = pipe.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3)
+        assert torch.equal(out, beams)
+    run = pipe.last_generation
+    assert run is not None and run.lanes == 2 and run.rows == 5 * 3
+    assert all(b > 0 for b in run.cache_bytes), run  # each stage holds layers' caches
+
+
+def test_four_stages_three_lanes_four_groups_a_lane_takes_the_next_group_when_done() -> None:
+    model = built(llama, layers=4)
+    ids, mask = prompts(rows=8)
+    config = transformers.GenerationConfig(max_new_tokens=9, eos_token_id=EOS, pad_token_id=0)
+    want = model.generate(ids, attention_mask=mask, generation_config=config)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 4, example_kwargs={"attention_mask": mask})
+    with forward_forbidden(model):
+        out = pipe.generate(
+            ids, attention_mask=mask, generation_config=config, lanes=3, sequences_per_lane=2
+        )
+    assert torch.equal(out, want)
+    run = pipe.last_generation
+    assert run is not None and (run.lanes, run.groups) == (3, 4)
+    layout = pipe._generator.layout()  # type: ignore[union-attr]
+    per_layer = layout.bytes(3 * 2, run.length)  # 3 lanes of 2 rows
+    assert run.cache_bytes == per_layer  # one layer per stage
+
+
+def test_sampling_with_one_lane_is_the_model_sampling_under_the_same_seed() -> None:
+    model = built(qwen2)
+    ids, mask = prompts()
+    kwargs: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=5)
+    torch.manual_seed(7)
+    want = model.generate(ids, **kwargs)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"attention_mask": mask})
+    torch.manual_seed(7)
+    assert torch.equal(pipe.generate(ids, **kwargs), want)
+    with pytest.raises(ConfigError, match="lanes=1") as e:
+        pipe.generate(ids, **kwargs, lanes=2)
+    assert "do_sample" in str(e.value)
+
+
+def test_what_is_not_run_is_refused_with_a_remedy_that_works() -> None:
+    model = built(gpt2)
+    ids, mask = prompts()
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"attention_mask": mask})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match="use_cache"):
+        pipe.generate(ids, attention_mask=mask, use_cache=False)
+    with pytest.raises(ConfigError, match="assisted decoding"):
+        pipe.generate(ids, attention_mask=mask, assistant_model=model)
+    with pytest.raises(ConfigError, match="sequences_per_lane=5") as e:
+        pipe.generate(
+            ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True, lanes=2
+        )
+    assert "lanes=1" in str(e.value)
+    whole = pipe.generate(
+        ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True,
+        lanes=1, sequences_per_lane=5,
+    )  # fmt: skip
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(whole.sequences, want.sequences)
+    after = model.state_dict()  # generation wrote only its own cache
+    assert "forward" not in vars(model) and all(torch.equal(before[k], after[k]) for k in before)
+    pipe.train()  # and the pipeline still trains as it did
+    torch.testing.assert_close(
+        pipe(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    )
+
+
+def test_an_encoder_decoder_is_refused_and_never_run_unpipelined() -> None:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids, _ = prompts()
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"decoder_input_ids": ids})
+    with forward_forbidden(model), pytest.raises(ConfigError, match="encoder-decoder"):
+        pipe.generate(ids, max_new_tokens=3)
