@@ -141,7 +141,7 @@ def trace_step(
     except ValueDependentError:
         costs = borrowed_costs(gm, leader.costs)
     g = to_networkx(gm, costs)
-    stage_of = follow_borders(leader, gm, g)
+    stage_of = _caches_beside_attention(gm, follow_borders(leader, gm, g))
     plan = build_plan(
         gm, costs, g,
         Partition(stage_of, 0.0, "follow", 0.0, leader_program.traffic),
@@ -152,6 +152,40 @@ def trace_step(
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][len(STEP_INPUTS) :]
     cache_stage = tuple(_reader(split, name) for name in names)
     return StepVariant(kind, rows == 1, plan, split, cache_stage)
+
+
+def _caches_beside_attention(gm: fx.GraphModule, stage_of: dict[str, int]) -> dict[str, int]:
+    """``stage_of`` with what a layer computes from its keys' cache alone, or from its
+    values' alone (the in-place write, its views, a copy repeating heads), moved to the stage
+    of the first nodes that read both (the attention): a border of the first plan between a
+    layer's key and value projections would otherwise send the whole cache over it every
+    step, where now the step's new keys or values cross it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    caches = placeholders[len(STEP_INPUTS) :]
+    out = dict(stage_of)
+    for keys, values in zip(caches[0::2], caches[1::2], strict=True):
+        from_keys, from_values = _downstream(keys), _downstream(values)
+        both = from_keys & from_values
+        alone = (from_keys | from_values) - both
+        readers = [n for n in both if any(a in alone for a in n.all_input_nodes)]
+        if not readers:
+            continue
+        target = min(out[n.name] for n in readers)
+        for n in alone:
+            out[n.name] = max(out[n.name], target)
+    return out
+
+
+def _downstream(start: fx.Node) -> set[fx.Node]:
+    """The nodes that read ``start``'s value, directly or through others (not the output)."""
+    seen: set[fx.Node] = set()
+    todo = [start]
+    while todo:
+        for user in todo.pop().users:
+            if user.op != "output" and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
 
 
 def _reader(program: StageProgram, name: str) -> int:
