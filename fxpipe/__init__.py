@@ -27,7 +27,9 @@ How a model becomes a pipeline, one direction of flow, a folder per step:
    backward runs in reverse micro-batch order, and checkpoint/recompute with the RNG state
    restored, one variant of the stages per training mode and call structure, each stage
    through ``torch.compile`` on request; ``fxpipe/distributed/`` runs the same plan one
-   process per stage.
+   process per stage, and ``fxpipe/generation/`` runs ``pipe.generate()``: one step of
+   generation traced with its key/value cache and split on the same borders, each stage
+   keeping its layers' cache, lanes of sequences in a ring of stage workers.
 6. view (``fxpipe/views/``): ``print(plan)``, ``plan.draw()``, ``fxpipe.record(pipe)``, the
    planning log and the ``fxpipe inspect`` command.
 

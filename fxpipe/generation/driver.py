@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.errors import ConfigError, InputError
+from fxpipe.errors import ConfigError, InputError, MemoryPlanError
 from fxpipe.generation.cache import (
     CacheLayout,
     LaneCache,
@@ -136,13 +136,15 @@ class Generator:
     ) -> Any:
         """``model.generate(*args, **kwargs)`` through the stages (see the module docstring);
         ``lanes`` and ``sequences_per_lane`` are taken out of ``kwargs``."""
-        request = _request(self.model, self.plan.num_stages, args, kwargs)
+        request = _request(self.model, len(set(self.plan.devices)), args, kwargs)
         for r in {(b - a) * request.expand for a, b in request.groups}:  # before any step
             kinds: tuple[StepKind, ...] = ("prefill", "decode")
             for kind in kinds if request.ids.shape[1] > 1 else ("decode",):
                 self.variant(kind, r)
         widest = max(b - a for a, b in request.groups) * request.expand
         devices = [self.plan.devices[j] for j in self.variants[0].cache_stage[0::2]]
+        cache_bytes = self.cache_bytes(widest * request.lanes, request.length, widest == 1)
+        _check_fits(self.plan, cache_bytes, request)
         pools = [
             StageCaches(self.layout(), devices, widest, request.length)
             for _ in range(request.lanes)
@@ -151,7 +153,7 @@ class Generator:
         self.last = GenerationRun(
             request.lanes, request.per_lane, len(request.groups),
             request.ids.shape[0] * request.expand, request.length,
-            self.cache_bytes(widest * request.lanes, request.length, rows_one=widest == 1),
+            cache_bytes,
             tuple(f"{v.kind}{' (one row)' if v.one_row else ''}" for v in self.variants),
         )  # fmt: skip
         return _joined(results, request.config)
@@ -278,7 +280,7 @@ class _Request:
 
 
 def _request(
-    model: nn.Module, stages: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: nn.Module, devices: int, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> _Request:
     """The call checked and resolved (ConfigError or InputError naming what to change)."""
     config = getattr(model, "config", None)
@@ -314,7 +316,7 @@ def _request(
             "give one mask value per token"
         )
     rows = ids.shape[0]
-    lanes, per_lane = _lanes(lanes, per_lane, rows, stages, gc)
+    lanes, per_lane = _lanes(lanes, per_lane, rows, devices, gc)
     groups = tuple((a, min(a + per_lane, rows)) for a in range(0, rows, per_lane))
     if len(groups) > 1 and gc.return_dict_in_generate:
         raise ConfigError(
@@ -325,6 +327,21 @@ def _request(
     return _Request(
         ids, gc, model_kwargs, expand, _length(gc, ids.shape[1]), lanes, per_lane, groups
     )
+
+
+def _check_fits(plan: PipelinePlan, cache_bytes: tuple[int, ...], request: _Request) -> None:
+    """MemoryPlanError where a stage's weights and its cache would pass its device's budget
+    (``max_memory``, as the plan keeps it), naming the stage and what to lower."""
+    for j, (stage, cache) in enumerate(zip(plan.stages, cache_bytes, strict=True)):
+        capacity = plan.capacities[j] if plan.capacities else None
+        if capacity is not None and stage.param_bytes + cache > capacity:
+            raise MemoryPlanError(
+                f"stage {j} ({stage.device}) would hold {stage.param_bytes} bytes of weights "
+                f"and {cache} of key/value cache ({request.lanes} lane(s) of "
+                f"{request.per_lane * request.expand} rows x {request.length} positions), "
+                f"over its budget of {capacity} bytes: pass fewer sequences_per_lane or "
+                "lanes, or a smaller max_new_tokens"
+            )
 
 
 @contextmanager
@@ -366,12 +383,13 @@ def _length(gc: Any, prompt: int) -> int:
     return max(int(gc.max_length), prompt + 1)
 
 
-def _lanes(lanes: Any, per_lane: Any, rows: int, stages: int, gc: Any) -> tuple[int, int]:
-    """(lanes, sequences per lane) resolved: ``"auto"`` is one lane per stage (at most one
-    per row), the rows shared evenly; sampling runs one lane (see ``docs``)."""
+def _lanes(lanes: Any, per_lane: Any, rows: int, devices: int, gc: Any) -> tuple[int, int]:
+    """(lanes, sequences per lane) resolved: ``"auto"`` is one lane per device the stages
+    span (at most one per row; lanes pay only where stages compute at once, and stages that
+    share a device take turns on it), the rows shared evenly; sampling runs one lane."""
     sampling = bool(gc.do_sample)
     if lanes == "auto":
-        lanes = 1 if sampling else min(stages, rows)
+        lanes = 1 if sampling else min(devices, rows)
     if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
         raise ConfigError(f"lanes={lanes!r}: give a positive int or 'auto'")
     if sampling and lanes > 1:

@@ -44,7 +44,7 @@ class DropIn(nn.Module):
     - ``pipe.config``, ``pipe.save_pretrained``, ... : a name the pipeline does not have is
       looked up on the model (not names with leading underscores, except
       :data:`FORWARDED_PRIVATE`). A method found that way runs on the model itself, not
-      through the stages (``pipe.generate()`` runs the model's own forward).
+      through the stages (``generate`` is the pipeline's own: :mod:`fxpipe.generation`).
     - ``hf_device_map``: where the model's parameters and buffers are, in Accelerate's form.
     - ``to()``, ``cuda()``, ``cpu()``, ``_apply``: see :meth:`_apply`.
     - ``activation_checkpointing_enable()`` and its older name

@@ -118,8 +118,8 @@ def test_greedy_and_beam_search_equal_model_generate_token_for_token(
             assert torch.equal(out, greedy), f"greedy, lanes={lanes}"
         out = pipe.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=3)
         assert torch.equal(out, beams)
-    run = pipe.last_generation
-    assert run is not None and run.lanes == 2 and run.rows == 5 * 3
+    run = pipe.last_generation  # lanes="auto": stages sharing one device take turns, one lane
+    assert run is not None and run.lanes == 1 and run.rows == 5 * 3
     assert all(b > 0 for b in run.cache_bytes), run  # each stage holds layers' caches
 
 
@@ -194,3 +194,47 @@ def test_an_encoder_decoder_is_refused_and_never_run_unpipelined() -> None:
     pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"decoder_input_ids": ids})
     with forward_forbidden(model), pytest.raises(ConfigError, match="encoder-decoder"):
         pipe.generate(ids, max_new_tokens=3)
+
+
+def test_auto_lanes_are_one_per_device_the_stages_span_and_one_when_sampling() -> None:
+    from fxpipe.generation.driver import _lanes
+
+    greedy, sampling = (
+        transformers.GenerationConfig(),
+        transformers.GenerationConfig(do_sample=True),
+    )
+    assert _lanes("auto", None, 5, 2, greedy) == (2, 3)
+    assert _lanes("auto", None, 5, 1, greedy) == (1, 5)
+    assert _lanes("auto", None, 1, 4, greedy) == (1, 1)
+    assert _lanes("auto", None, 5, 2, sampling) == (1, 5)
+    assert _lanes(3, 1, 5, 1, greedy) == (3, 1)  # asked for: five groups of one, three lanes
+    assert _lanes(4, 3, 5, 1, greedy) == (2, 3)  # no more lanes than groups
+    with pytest.raises(ConfigError, match="lanes=0"):
+        _lanes(0, None, 5, 1, greedy)
+
+
+def test_a_cache_over_the_memory_budget_is_refused_and_fewer_rows_per_lane_fit() -> None:
+    import dataclasses
+
+    from fxpipe.errors import MemoryPlanError
+    from fxpipe.generation import Generator
+
+    model = built(llama, layers=2)
+    ids, mask = prompts(rows=6)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"attention_mask": mask})
+    length = ids.shape[1] + 6
+    row_bytes = 2 * 2 * 8 * 4 * length  # one layer's keys and values: 2 heads of 8, float32
+    room = 3 * row_bytes + 100  # a budget the weights and three rows of cache fit (per stage)
+    first = pipe._session.variants.first
+    plan = dataclasses.replace(
+        first.plan, capacities=tuple(s.param_bytes + room for s in first.plan.stages)
+    )
+    generator = Generator(model, plan, first.program)
+    kwargs: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=6, lanes=1)
+    with pytest.raises(MemoryPlanError, match="sequences_per_lane") as e:
+        generator.generate((ids,), dict(kwargs))
+    assert "stage 0" in str(e.value) and str(room + first.plan.stages[0].param_bytes) in str(
+        e.value
+    )
+    out = generator.generate((ids,), dict(kwargs, sequences_per_lane=3))
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=6))
