@@ -123,21 +123,24 @@ def test_greedy_and_beam_search_equal_model_generate_token_for_token(
     assert all(b > 0 for b in run.cache_bytes), run  # each stage holds layers' caches
 
 
-def test_four_stages_three_lanes_four_groups_a_lane_takes_the_next_group_when_done() -> None:
+def test_four_stages_four_lanes_five_groups_a_lane_takes_the_next_group_when_done() -> None:
     model = built(llama, layers=4)
-    ids, mask = prompts(rows=8)
-    config = transformers.GenerationConfig(max_new_tokens=9, eos_token_id=EOS, pad_token_id=0)
+    ids, mask = prompts(rows=10)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=9, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 2])  # row 0 ends after its third token: its group early
+    config = transformers.GenerationConfig(max_new_tokens=9, eos_token_id=eos, pad_token_id=0)
     want = model.generate(ids, attention_mask=mask, generation_config=config)
+    assert (want[0, ids.shape[1] + 3 :] == 0).all()
     pipe = fxpipe.pipeline(model, ids, ["cpu"] * 4, example_kwargs={"attention_mask": mask})
     with forward_forbidden(model):
         out = pipe.generate(
-            ids, attention_mask=mask, generation_config=config, lanes=3, sequences_per_lane=2
+            ids, attention_mask=mask, generation_config=config, lanes=4, sequences_per_lane=2
         )
     assert torch.equal(out, want)
     run = pipe.last_generation
-    assert run is not None and (run.lanes, run.groups) == (3, 4)
+    assert run is not None and (run.lanes, run.groups) == (4, 5)
     layout = pipe._generator.layout()  # type: ignore[union-attr]
-    per_layer = layout.bytes(3 * 2, run.length)  # 3 lanes of 2 rows
+    per_layer = layout.bytes(4 * 2, run.length)  # 4 lanes of 2 rows
     assert run.cache_bytes == per_layer  # one layer per stage
 
 

@@ -1,0 +1,255 @@
+"""Pipelined generation's throughput, measured side by side: ``pipe.generate()`` with each
+stage's cache on its device and lanes of sequences in flight.
+
+Run from the repository root::
+
+    python -m benchmarks.generate [--quick] [--rounds N] [--out PATH]
+
+A Llama-shaped model from a config (8 layers, width 512, 8 heads, vocabulary 8192,
+float32, random weights), 2 stages on the CPU, prompts of 16 to 128 tokens (left-padded),
+greedy decoding with no end token (every row makes every new token). Every case runs in a
+fresh process on one torch thread (``OMP_NUM_THREADS=1``), its variants alternating round by
+round (the order flipped each round); a ratio is the median over rounds of the per-round
+ratio of tokens per second.
+
+Rows (the issue's targets):
+
+1. lanes: ``lanes=2`` over ``lanes=1`` (the order a ``device_map`` runs in) on the same
+   split, 64 prompts x 64 new tokens (target 1.7x, stated for two processes); and with 4
+   prompts (target 0.95x), where ``lanes="auto"`` is shown too (one lane per device the
+   stages span: one here). Lanes pay only where the stages compute at once: each lanes row
+   has its *bound*, what two threads of the same process computing at once got done over
+   one alone in the same rounds (the same matrix products, one OpenMP thread each; the
+   median over rounds), which no design of lanes gets past; the line under the table is
+   the same for two processes, once, at the start;
+2. overhead: ``pipe.generate(lanes=1)`` over ``model.generate`` with its own cache (one
+   thread, the model on one device), 64 x 64 (target 0.9x);
+3. against today's path: over ``model.generate`` with ``use_cache=False`` (what a
+   pipelined model's config says, and what ``pipe.generate()`` ran before this), 64 prompts x
+   16 new tokens (target 10x);
+4. crossover: ``lanes=2`` over ``lanes=1`` for 1, 2, 4, 8 and 16 sequences per lane.
+
+Token equality with ``model.generate`` is checked on every case's first round. The table
+and ``benchmarks/results/generate.json`` hold every row, the command and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.machine import machine_record
+from benchmarks.harness.output import ROOT, command_line, format_table, result_path, save_json
+from benchmarks.harness.processes import SINGLE_THREAD_ENV, run_json
+
+MODEL = dict(
+    vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+    use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- in a child
+
+
+def _model_and_prompts(rows: int, seed: int = 0) -> tuple[Any, Any, Any]:
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    lengths = torch.randint(16, 129, (rows,), generator=g)
+    width = int(lengths.max())
+    ids = torch.randint(3, MODEL["vocab_size"], (rows, width), generator=g)  # type: ignore[call-overload]
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for r, n in enumerate(lengths.tolist()):
+        mask[r, width - n :] = 1
+    return model, ids.masked_fill(mask == 0, 0), mask
+
+
+def _case(spec: dict[str, Any]) -> dict[str, Any]:
+    """Times of each variant of one case, per round (seconds), and token equality."""
+    import torch
+
+    import fxpipe
+
+    torch.set_num_threads(1)
+    model, ids, mask = _model_and_prompts(spec["rows"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=spec["new"], do_sample=False)
+    example = {"attention_mask": mask[:4]}
+    pipe = fxpipe.pipeline(model, ids[:4], ["cpu"] * 2, example_kwargs=example)
+    runs = {
+        "model.generate": lambda: model.generate(ids, use_cache=True, **kwargs),
+        "model.generate(use_cache=False)": lambda: model.generate(ids, **kwargs),
+        "lanes=1": lambda: pipe.generate(ids, lanes=1, **kwargs),
+        "lanes=2": lambda: pipe.generate(ids, lanes=2, **kwargs),
+        "lanes=auto": lambda: pipe.generate(ids, **kwargs),
+    }
+    variants = spec["variants"]
+    for name in variants:  # traces each step variant once, outside the timing
+        if name.startswith("lanes"):
+            lanes = name.removeprefix("lanes=")
+            lanes_value = lanes if lanes == "auto" else int(lanes)
+            pipe.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=2, lanes=lanes_value)
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    outputs: dict[str, Any] = {}
+    bounds = []
+    for r in range(spec["rounds"]):
+        for name in variants if r % 2 == 0 else variants[::-1]:
+            start = time.perf_counter()
+            out = runs[name]()
+            times[name].append(time.perf_counter() - start)
+            outputs.setdefault(name, out)
+        bounds.append(_threads_bound())
+    first = outputs[variants[0]]
+    equal = all(torch.equal(o, first) for o in outputs.values())
+    return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
+            "bound": statistics.median(bounds)}  # fmt: skip
+
+
+def _threads_bound() -> float:
+    """Work two threads of this process get done at once over one thread alone (the same
+    matrix products, one OpenMP thread each): what two stages computing at once could gain
+    in this round, the most lanes can."""
+    alone = _matmuls(100)
+    pair: list[float] = []
+    threads = [threading.Thread(target=lambda: pair.append(_matmuls(100))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 2 * alone / max(pair)
+
+
+def _matmuls(count: int = 300) -> float:
+    """Seconds of ``count`` matrix products on one thread (the bounds' unit of work)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, w = torch.randn(1024, 512), torch.randn(512, 1376)
+    for _ in range(3):
+        a @ w
+    start = time.perf_counter()
+    for _ in range(count):
+        a @ w
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------- the parent
+
+
+def _bound() -> dict[str, Any]:
+    """What two computations at once get here: two single-thread processes running the same
+    products, against one alone; the speed-up two stages computing at once could reach."""
+    env = {**SINGLE_THREAD_ENV}
+    command = [sys.executable, "-m", "benchmarks.generate", "--worker", "matmuls"]
+    alone = run_json("benchmarks.generate", ["--worker", "matmuls"], env=env)
+    both = [
+        subprocess.Popen(command, cwd=ROOT, env={**_environ(), **env}, stdout=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    seconds = [json.loads(p.communicate()[0].decode().strip().splitlines()[-1]) for p in both]
+    return {
+        "row": "bound: 2 processes at once over 1",
+        "alone_s": alone,
+        "together_s": seconds,
+        "ratio": 2 * alone / max(seconds),
+    }
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def _ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of ``b``'s time over ``a``'s (``a``'s tokens per second over
+    ``b``'s)."""
+    return statistics.median(y / x for x, y in zip(times[a], times[b], strict=True))
+
+
+def _run(spec: dict[str, Any]) -> dict[str, Any]:
+    return run_json(  # type: ignore[no-any-return]
+        "benchmarks.generate", ["--worker", json.dumps(spec)], env=SINGLE_THREAD_ENV, timeout=3600
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 16 tokens, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(result_path("generate")))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker == "matmuls":
+        print(json.dumps(_matmuls()))
+        return 0
+    if args.worker:
+        print(json.dumps(_case(json.loads(args.worker))))
+        return 0
+    rows, new = (16, 16) if args.quick else (64, 64)
+    rounds = 2 if args.quick else args.rounds
+    started = time.perf_counter()
+    bound = _bound()
+    table: list[dict[str, Any]] = []
+
+    def row(name: str, case: dict[str, Any], a: str, b: str, target: float | None) -> None:
+        times = case["times"]
+        table.append({
+            "row": name, "variant": a, "baseline": b, "ratio": _ratio(times, a, b),
+            "variant_tok_s": case["tokens"] / statistics.median(times[a]),
+            "baseline_tok_s": case["tokens"] / statistics.median(times[b]),
+            "target": target, "equal": case["equal"], "rounds": len(times[a]),
+            "bound": case["bound"] if a.startswith("lanes=") and a != "lanes=1" else None,
+        })  # fmt: skip
+
+    main_case = _run({"rows": rows, "new": new, "rounds": rounds,
+                      "variants": ["model.generate", "lanes=1", "lanes=2"]})  # fmt: skip
+    row(f"lanes, {rows} prompts x {new}", main_case, "lanes=2", "lanes=1", 1.7)
+    small = _run({"rows": 4, "new": new, "rounds": rounds + 2,
+                  "variants": ["lanes=1", "lanes=2", "lanes=auto"]})  # fmt: skip
+    row(f"lanes, 4 prompts x {new}", small, "lanes=2", "lanes=1", 0.95)
+    row(f"lanes, 4 prompts x {new}", small, "lanes=auto", "lanes=1", 0.95)
+    row(f"overhead, {rows} x {new}", main_case, "lanes=1", "model.generate", 0.9)
+    recompute = _run({"rows": rows, "new": 16, "rounds": 1,
+                      "variants": ["model.generate(use_cache=False)", "lanes=1"]})  # fmt: skip
+    row(f"over no cache, {rows} x 16", recompute, "lanes=1", "model.generate(use_cache=False)", 10)
+    for per_lane in (1, 2, 4, 8, 16):
+        case = _run({"rows": 2 * per_lane, "new": new, "rounds": rounds + 2,
+                     "variants": ["lanes=1", "lanes=2"]})  # fmt: skip
+        row(f"crossover, {per_lane} per lane", case, "lanes=2", "lanes=1", None)
+    columns = [
+        ("row", lambda r: r["row"]),
+        ("variant", lambda r: r["variant"]),
+        ("baseline", lambda r: r["baseline"]),
+        ("tok/s", lambda r: f"{r['variant_tok_s']:.0f}"),
+        ("base tok/s", lambda r: f"{r['baseline_tok_s']:.0f}"),
+        ("ratio", lambda r: f"{r['ratio']:.2f}x"),
+        ("target", lambda r: "-" if r["target"] is None else f">= {r['target']}x"),
+        ("bound", lambda r: "-" if r["bound"] is None else f"{r['bound']:.2f}x"),
+        ("equal", lambda r: "yes" if r["equal"] else "NO"),
+    ]
+    print(format_table(table, columns, left=3))
+    print(
+        f"\nbound: two single-thread processes at once ran {bound['ratio']:.2f}x the work of "
+        f"one alone ({bound['alone_s']:.2f} s alone, "
+        f"{', '.join(f'{s:.2f}' for s in bound['together_s'])} s together): the most any "
+        "lanes can gain here, two stages computing at once"
+    )
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    payload = {"command": command_line(), "machine": machine_record(), "model": MODEL,
+               "bound": bound, "rows": table}  # fmt: skip
+    return save_json(Path(args.out), payload)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
