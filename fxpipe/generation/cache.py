@@ -35,6 +35,7 @@ __all__ = [
     "LaneCache",
     "probe_layout",
     "cache_argument",
+    "error_line",
 ]
 
 
@@ -170,7 +171,17 @@ def probe_layout(model: nn.Module, embeds: torch.Tensor, argument: str) -> Cache
             raise
         except Exception:  # on meta, some kernels (grouped experts) run only while traced
             seen.clear()
-            torch.export.export(_Traced(model, argument, _Probe), (embeds,), strict=False)
+            try:
+                torch.export.export(_Traced(model, argument, _Probe), (embeds,), strict=False)
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError(
+                    f"{type(model).__name__} did not run with a cache of keys and values per "
+                    f"attention layer ({error_line(e)}): it may keep other states (a "
+                    "recurrent or convolution state, as Mamba layers do), which pipelined "
+                    "generate() does not hold; call the model's own generate() on one device"
+                ) from e
     if not seen or sorted(seen) != list(range(len(seen))):
         raise ConfigError(
             f"{type(model).__name__} wrote no key/value cache of its attention layers in order "
@@ -178,6 +189,12 @@ def probe_layout(model: nn.Module, embeds: torch.Tensor, argument: str) -> Cache
             "call the model's own generate()"
         )
     return CacheLayout(tuple(seen[i] for i in range(len(seen))))
+
+
+def error_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an error another library raised."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class _Traced(nn.Module):

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import ConfigError
-from fxpipe.generation.cache import CacheLayout, StepCache
+from fxpipe.generation.cache import CacheLayout, StepCache, error_line
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.model_state import preserved
 from fxpipe.passes.partition.cost_graph import to_networkx
@@ -125,9 +125,10 @@ def trace_step(
             )
         except Exception as e:
             raise ConfigError(
-                f"pipelined generate() could not trace {type(model).__name__} with its cache "
-                f"as stage state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                "; call the model's own generate() on one device"
+                f"pipelined generate() could not trace {type(model).__name__} with a static "
+                f"cache as stage state ({error_line(e)}); a model whose attention reads its "
+                "cache by the positions written so far (a window sliced from a buffer) needs "
+                "a cache that grows: call the model's own generate() on one device"
             ) from e
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not properly registered")

@@ -27,6 +27,7 @@ from typing import Any
 
 import networkx as nx
 import numpy as np
+import torch
 import torch.fx as fx
 
 from fxpipe.ir import PipelinePlan
@@ -35,6 +36,9 @@ from fxpipe.passes.partition.search import node_stages
 from fxpipe.passes.partition.units import build_units
 
 __all__ = ["follow_borders"]
+
+#: Shape queries: they follow their reader, never another trace's node (see ``_keys``).
+SHAPE_QUERIES = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default})
 
 
 def follow_borders(leader: PipelinePlan, gm: fx.GraphModule, g: nx.DiGraph) -> dict[str, int]:
@@ -88,10 +92,12 @@ def _weight_stages(leader: PipelinePlan) -> dict[int, int]:
 
 def _keys(nodes: Iterable[fx.Node]) -> Iterable[tuple[tuple[Any, ...], fx.Node]]:
     """Each compute node with a key that names what it does where: (op, module path, its
-    target, how many such nodes came before it in that module)."""
+    target, how many such nodes came before it in that module). Not a shape query: copied
+    once per reader, often outside any module, its count matches another trace's queries
+    of other values, and it goes with the node that reads it."""
     seen: Counter[tuple[Any, ...]] = Counter()
     for node in nodes:
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output") or node.target in SHAPE_QUERIES:
             continue
         what = (node.op, module_path(node), op_name(node), _target(node))
         seen[what] += 1

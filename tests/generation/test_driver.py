@@ -62,6 +62,15 @@ def mixtral(layers: int = 2) -> nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
+def gemma3(layers: int = 2) -> nn.Module:
+    config = transformers.Gemma3TextConfig(
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2), **_common(),
+    )  # a window shorter than the prompt, per-head q/k norms  # fmt: skip
+    return transformers.Gemma3ForCausalLM(config)
+
+
 def prompts(rows: int = 5, length: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and mask, left-padded to mixed lengths (rows 1 and 3 shorter)."""
     g = torch.Generator().manual_seed(seed)
@@ -103,7 +112,7 @@ def _real(t: torch.Tensor) -> bool:
     return not t.is_meta and not isinstance(t, FakeTensor)
 
 
-@pytest.mark.parametrize("make", [gpt2, llama, qwen2, mixtral], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("make", [gpt2, llama, qwen2, mixtral, gemma3], ids=lambda f: f.__name__)
 def test_greedy_and_beam_search_equal_model_generate_token_for_token(
     make: Callable[..., nn.Module],
 ) -> None:
@@ -184,6 +193,18 @@ def test_what_is_not_run_is_refused_with_a_remedy_that_works() -> None:
     torch.testing.assert_close(
         pipe(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
     )
+
+
+def test_a_model_with_recurrent_state_is_refused_with_what_to_do() -> None:
+    config = transformers.MambaConfig(
+        num_hidden_layers=2, hidden_size=32, state_size=4, vocab_size=VOCAB, use_cache=False
+    )
+    model = transformers.MambaForCausalLM(config).eval()
+    ids, _ = prompts()
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2)
+    with forward_forbidden(model), pytest.raises(ConfigError, match="recurrent") as e:
+        pipe.generate(ids, max_new_tokens=3)
+    assert "own generate()" in str(e.value)
 
 
 def test_an_encoder_decoder_is_refused_and_never_run_unpipelined() -> None:
