@@ -61,10 +61,31 @@ class GenerationRun:
     lanes: int
     sequences_per_lane: int
     groups: int
+    #: Rows generated (sequences times beams or return sequences).
     rows: int
+    #: Positions each row's cache holds: the prompt and every new token.
     length: int
+    #: Bytes of key/value cache each stage held, for every lane's rows.
     cache_bytes: tuple[int, ...]
+    #: The step variants traced so far (prefill, decode; each again for lanes of one row).
     variants: tuple[str, ...]
+    #: Bytes of weights each stage holds (beside its cache).
+    weight_bytes: tuple[int, ...] = ()
+    devices: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """A table of each stage's device, weights and cache, under a line of the run."""
+        head = (
+            f"generate: {self.lanes} lane(s), {self.groups} group(s) of up to "
+            f"{self.sequences_per_lane} sequence(s), {self.rows} rows x {self.length} positions; "
+            f"steps traced: {', '.join(self.variants)}"
+        )
+        lines = [head, "stage  device    weights MiB  cache MiB"]
+        for j, cache in enumerate(self.cache_bytes):
+            device = self.devices[j] if self.devices else "?"
+            weights = self.weight_bytes[j] if self.weight_bytes else 0
+            lines.append(f"{j:>5}  {device:<8}  {weights / 2**20:>11.2f}  {cache / 2**20:>9.2f}")
+        return "\n".join(lines)
 
 
 class Generator:
@@ -155,6 +176,8 @@ class Generator:
             request.ids.shape[0] * request.expand, request.length,
             cache_bytes,
             tuple(f"{v.kind}{' (one row)' if v.one_row else ''}" for v in self.variants),
+            tuple(s.param_bytes for s in self.plan.stages),
+            tuple(str(d) for d in self.plan.devices),
         )  # fmt: skip
         return _joined(results, request.config)
 

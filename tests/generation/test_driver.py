@@ -141,16 +141,22 @@ def test_four_stages_four_lanes_five_groups_a_lane_takes_the_next_group_when_don
     want = model.generate(ids, attention_mask=mask, generation_config=config)
     assert (want[0, ids.shape[1] + 3 :] == 0).all()
     pipe = fxpipe.pipeline(model, ids, ["cpu"] * 4, example_kwargs={"attention_mask": mask})
-    with forward_forbidden(model):
+    with forward_forbidden(model), fxpipe.record(pipe) as timeline:
         out = pipe.generate(
             ids, attention_mask=mask, generation_config=config, lanes=4, sequences_per_lane=2
         )
     assert torch.equal(out, want)
+    seen = {(t.i, t.j) for t in timeline.tasks}  # the timeline shows each lane at each stage
+    assert seen == {(i, j) for i in range(4) for j in range(4)}
     run = pipe.last_generation
     assert run is not None and (run.lanes, run.groups) == (4, 5)
     layout = pipe._generator.layout()  # type: ignore[union-attr]
     per_layer = layout.bytes(4 * 2, run.length)  # 4 lanes of 2 rows
     assert run.cache_bytes == per_layer  # one layer per stage
+    table = run.summary().splitlines()
+    assert len(table) == 2 + 4 and "4 lane(s), 5 group(s)" in table[0]
+    assert table[2].split()[:2] == ["0", "cpu"]
+    assert float(table[2].split()[3]) == pytest.approx(per_layer[0] / 2**20, abs=0.01)
 
 
 def test_sampling_with_one_lane_is_the_model_sampling_under_the_same_seed() -> None:
