@@ -35,12 +35,18 @@ MODES = ("always", "except_last", "never")
 QUICK_CASE = ("multi_io_dict", 2)
 
 
+#: Cases left out for the suite's time (about 100 s of CPU): the largest CNNs on one stage
+#: (no border: what the light models' one-stage runs and their own 2-4 stage runs check) and
+#: the U-Net on 3 (it runs on 2 and 4).
+LEFT_OUT = frozenset({("unet", 1), ("unet", 3), ("resnet", 1), ("inception", 1)})
+
+
 def _cases() -> list[Any]:
     return [
         pytest.param(name, k, marks=() if (name, k) == QUICK_CASE else pytest.mark.slow)
         for name, case in ZOO.items()
         for k in STAGES
-        if k <= case.max_stages
+        if k <= case.max_stages and (name, k) not in LEFT_OUT
     ]
 
 
