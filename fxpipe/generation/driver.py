@@ -102,7 +102,8 @@ class Generator:
     # ------------------------------------------------------------------ what it needs
 
     def layout(self) -> CacheLayout:
-        """Each attention layer's cache (heads, head sizes, dtype): one run on ``meta``."""
+        """Each attention layer's cache (heads, head sizes, dtype), from one run of the model
+        over two positions (on ``meta`` where its tensors live on several devices)."""
         if self._layout is None:
             model = self.model
             table = model.get_input_embeddings().weight  # type: ignore[operator]
@@ -133,7 +134,8 @@ class Generator:
                 raise ConfigError(
                     f"the {kind} step keeps its layers' caches on stages {v.cache_stage}, the "
                     f"first step on {self.variants[0].cache_stage}: a cache would move between "
-                    "steps; rebuild the pipeline with fxpipe.pipeline(model, ...) in eval mode"
+                    "steps, which pipelined generate() does not do; call the model's own "
+                    "generate() on one device"
                 )
             self.variants.append(v)
             return v
