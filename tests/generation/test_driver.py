@@ -132,6 +132,18 @@ def test_greedy_and_beam_search_equal_model_generate_token_for_token(
     assert all(b > 0 for b in run.cache_bytes), run  # each stage holds layers' caches
 
 
+def test_in_bfloat16_with_grouped_experts_the_tokens_are_the_model_own() -> None:
+    model = built(mixtral).to(torch.bfloat16)  # transformers' grouped experts in bfloat16
+    ids, mask = prompts()
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8)
+    beams = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"attention_mask": mask})
+    assert torch.equal(pipe.generate(ids, attention_mask=mask, max_new_tokens=8, lanes=2), greedy)
+    out = pipe.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, lanes=2)
+    assert torch.equal(out, beams)
+    assert pipe._generator.layout().layers[0].dtype == torch.bfloat16  # type: ignore[union-attr]
+
+
 def test_four_stages_four_lanes_five_groups_a_lane_takes_the_next_group_when_done() -> None:
     model = built(llama, layers=4)
     ids, mask = prompts(rows=10)
