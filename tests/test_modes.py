@@ -254,7 +254,7 @@ def test_another_mode_whose_trace_makes_a_constant_takes_its_values(
     takes the values of a constant made in forward from the first trace: equal to eager."""
     import fxpipe.compiler.retrace
 
-    monkeypatch.setattr(fxpipe.compiler.retrace, "_one_device", lambda model: None)
+    monkeypatch.setattr(fxpipe.compiler.retrace, "model_device", lambda model: None)
     torch.manual_seed(0)
     model = MakesAConstant()
     x = torch.randn(8, 8)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.compiler.steps import Compiled, traced_example, with_no_grad
+from fxpipe.devices.targets import model_device
 from fxpipe.ir import PipelinePlan, PricingMode, StageProgram, TracerName
 from fxpipe.model_state import preserved
 from fxpipe.options import PlanOptions
@@ -60,7 +60,7 @@ class Retracer:
         model, leader, options = self.model, self.leader, self.options
         plan = leader.plan
         batch = plan.costs.batch_size
-        place = _one_device(model)
+        place = model_device(model)
         example = _empty_example((args, dict(kwargs)), batch, place or torch.device("meta"))
         pricing: PricingMode = "roofline"
         view: AbstractContextManager[Any] = (
@@ -103,16 +103,6 @@ class Retracer:
                     place_constants(program.modules, plan.devices, model)
                 check_micro_batches(traced, plan.chunks, model)
         return traced, followed, program
-
-
-def _one_device(model: nn.Module) -> torch.device | None:
-    """The device every parameter and buffer of ``model`` lives on; None where they live on
-    several, or on ``meta``."""
-    found = {t.device for t in chain(model.parameters(), model.buffers())}
-    if len(found) != 1:
-        return None
-    (device,) = found
-    return None if device.type == "meta" else device
 
 
 def _empty_example(

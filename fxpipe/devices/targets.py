@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import torch
+from torch import nn
 
 from fxpipe.errors import DeviceError
 
-__all__ = ["normalize_devices", "parse_device", "device_capacity", "same_device"]
+__all__ = ["normalize_devices", "parse_device", "device_capacity", "same_device", "model_device"]
 
 
 def parse_device(value: Any, *, require_present: bool = True) -> torch.device:
@@ -111,3 +113,13 @@ def _physical_memory() -> int | None:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def model_device(model: nn.Module) -> torch.device | None:
+    """The device every parameter and buffer of ``model`` lives on; None where they live on
+    several, or on ``meta``."""
+    found = {t.device for t in chain(model.parameters(), model.buffers())}
+    if len(found) != 1:
+        return None
+    (device,) = found
+    return None if device.type == "meta" else device

@@ -5,6 +5,8 @@ key/value cache, lanes of sequences in flight through a ring of stages.
   transformers' code talks to;
 - :mod:`~fxpipe.generation.step`: one generation step traced with its cache and split along
   the pipeline's borders (prefill and decode variants);
+- :mod:`~fxpipe.generation.request`: a ``generate`` call checked and resolved (what is
+  refused, the cache's length, the rows' groups and lanes);
 - :mod:`~fxpipe.generation.ring`: the stage workers lanes' steps pass through;
 - :mod:`~fxpipe.generation.driver`: ``generate``'s own loop per lane over the ring.
 """

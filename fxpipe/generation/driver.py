@@ -16,10 +16,9 @@ replaced (on the model object, restored after) by the lane's step.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpipe.errors import ConfigError, InputError, MemoryPlanError
+from fxpipe.devices.targets import model_device
+from fxpipe.errors import ConfigError, MemoryPlanError
 from fxpipe.generation.cache import (
     CacheLayout,
     LaneCache,
@@ -35,23 +35,14 @@ from fxpipe.generation.cache import (
     cache_argument,
     probe_layout,
 )
+from fxpipe.generation.request import Request, resolve_request
 from fxpipe.generation.ring import Ring
-from fxpipe.generation.step import StepKind, StepVariant, one_device, trace_step
+from fxpipe.generation.step import StepKind, StepVariant, trace_step
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
 from fxpipe.weights.materialise import meta_view
 
-__all__ = ["Generator", "GenerationRun", "REFUSED"]
-
-#: ``generate`` options pipelined generation does not run, each with why.
-REFUSED: Mapping[str, str] = {
-    "assistant_model": "assisted decoding runs a second model beside this one",
-    "prompt_lookup_num_tokens": "prompt-lookup decoding rolls the cache back",
-    "inputs_embeds": "prompts are token ids here (the first stage embeds them)",
-    "cache": "the pipeline keeps its own cache on the stages",
-    "past_key_values": "the pipeline keeps its own cache on the stages",
-    "cache_implementation": "the pipeline keeps its own static cache on the stages",
-}
+__all__ = ["Generator", "GenerationRun"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +98,7 @@ class Generator:
         if self._layout is None:
             model = self.model
             table = model.get_input_embeddings().weight  # type: ignore[operator]
-            place = one_device(model)
+            place = model_device(model)
             view = meta_view(model, live=True) if place is None else nullcontext()
             with view:  # a real run of two positions where one device holds the model
                 shape = (1, 2, table.shape[1])
@@ -159,7 +150,7 @@ class Generator:
     ) -> Any:
         """``model.generate(*args, **kwargs)`` through the stages (see the module docstring);
         ``lanes`` and ``sequences_per_lane`` are taken out of ``kwargs``."""
-        request = _request(self.model, len(set(self.plan.devices)), args, kwargs)
+        request = resolve_request(self.model, len(set(self.plan.devices)), args, kwargs)
         for r in {(b - a) * request.expand for a, b in request.groups}:  # before any step
             kinds: tuple[StepKind, ...] = ("prefill", "decode")
             for kind in kinds if request.ids.shape[1] > 1 else ("decode",):
@@ -184,7 +175,7 @@ class Generator:
         return _joined(results, request.config)
 
     def _run_lanes(
-        self, request: _Request, pools: list[StageCaches], recorder: RunRecorder
+        self, request: Request, pools: list[StageCaches], recorder: RunRecorder
     ) -> list[Any]:
         """Every group's ``generate`` output, the groups taken by ``request.lanes`` lanes
         (threads where several) whose steps meet in one ring."""
@@ -228,7 +219,7 @@ class Generator:
             raise errors[0]
         return [results[g] for g in range(len(request.groups))]
 
-    def _group(self, request: _Request, g: int, pool: StageCaches, argument: str) -> Any:
+    def _group(self, request: Request, g: int, pool: StageCaches, argument: str) -> Any:
         """``generate`` over group ``g``'s rows, with a cache over the lane's rows."""
         a, b = request.groups[g]
         rows = request.ids.shape[0]
@@ -286,75 +277,7 @@ class Generator:
         return CausalLMOutputWithPast(logits=logits, **{argument: cache})
 
 
-@dataclass(frozen=True)
-class _Request:
-    """One ``generate`` call resolved: prompts, generation config, how rows go to lanes."""
-
-    ids: torch.Tensor
-    config: Any
-    #: What ``generate`` passes on to the model (the attention mask, ...), per row.
-    model_kwargs: dict[str, Any]
-    #: Rows each returned sequence stands for (beams, or return sequences).
-    expand: int
-    #: Positions every row's cache holds: the prompt and every new token.
-    length: int
-    lanes: int
-    per_lane: int
-    #: (first row, end row) of each group, in order.
-    groups: tuple[tuple[int, int], ...]
-
-
-def _request(
-    model: nn.Module, devices: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _Request:
-    """The call checked and resolved (ConfigError or InputError naming what to change)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "generate"):
-        raise ConfigError(
-            f"{type(model).__name__} has no generate(): pipelined generation runs a "
-            "transformers model's generate loop; call pipe(...) step by step instead"
-        )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ConfigError(
-            f"{type(model).__name__} is an encoder-decoder: pipelined generate() runs "
-            "decoder-only models for now; call the model's own generate() on one device"
-        )
-    lanes, per_lane = kwargs.pop("lanes", "auto"), kwargs.pop("sequences_per_lane", None)
-    for name, why in REFUSED.items():
-        if kwargs.get(name) is not None:
-            raise ConfigError(f"generate({name}=...) is not run by a pipeline: {why}")
-    if kwargs.get("use_cache") is False:
-        raise ConfigError(
-            "use_cache=False would run every step over the whole prefix; a pipeline's "
-            "generate() keeps the cache on its stages: leave use_cache out"
-        )
-    ids = _prompt(args, kwargs)
-    gc: Any = copy.deepcopy(kwargs.pop("generation_config", None) or model.generation_config)
-    model_kwargs = gc.update(**kwargs)
-    if gc.cache_implementation is not None:
-        raise ConfigError(f"generation_config.cache_implementation: {REFUSED['cache']}")
-    gc.use_cache = True  # a model pipelined with use_cache=False in its config
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and tuple(mask.shape) != tuple(ids.shape):
-        raise InputError(
-            f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}: "
-            "give one mask value per token"
-        )
-    rows = ids.shape[0]
-    lanes, per_lane = _lanes(lanes, per_lane, rows, devices, gc)
-    groups = tuple((a, min(a + per_lane, rows)) for a in range(0, rows, per_lane))
-    if len(groups) > 1 and gc.return_dict_in_generate:
-        raise ConfigError(
-            f"return_dict_in_generate=True with {len(groups)} groups of sequences: pass "
-            f"lanes=1 and sequences_per_lane={rows} (one group) to get generate's whole output"
-        )
-    expand = max(int(gc.num_beams or 1), int(gc.num_return_sequences or 1))
-    return _Request(
-        ids, gc, model_kwargs, expand, _length(gc, ids.shape[1]), lanes, per_lane, groups
-    )
-
-
-def _check_fits(plan: PipelinePlan, cache_bytes: tuple[int, ...], request: _Request) -> None:
+def _check_fits(plan: PipelinePlan, cache_bytes: tuple[int, ...], request: Request) -> None:
     """MemoryPlanError where a stage's weights and its cache would pass its device's budget
     (``max_memory``, as the plan keeps it), naming the stage and what to lower."""
     for j, (stage, cache) in enumerate(zip(plan.stages, cache_bytes, strict=True)):
@@ -384,50 +307,6 @@ def _forward_replaced(model: nn.Module, step: Callable[..., Any]) -> Iterator[No
             vars(model)["forward"] = original
         else:
             del vars(model)["forward"]
-
-
-def _prompt(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The prompts' token ids (positional, ``input_ids=`` or ``inputs=``), taken out."""
-    if len(args) > 1:
-        raise InputError("generate() takes the prompts' ids positionally, the rest by keyword")
-    ids = args[0] if args else kwargs.pop("input_ids", None)
-    if ids is None:
-        ids = kwargs.pop("inputs", None)
-    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.is_floating_point():
-        raise InputError(
-            f"generate() needs input_ids, token ids of shape (batch, length); got "
-            f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else tuple(ids.shape)}"
-        )
-    return ids
-
-
-def _length(gc: Any, prompt: int) -> int:
-    """Positions each row's cache must hold: the prompt and every new token."""
-    if gc.max_new_tokens is not None:
-        return prompt + int(gc.max_new_tokens)
-    return max(int(gc.max_length), prompt + 1)
-
-
-def _lanes(lanes: Any, per_lane: Any, rows: int, devices: int, gc: Any) -> tuple[int, int]:
-    """(lanes, sequences per lane) resolved: ``"auto"`` is one lane per device the stages
-    span (at most one per row; lanes pay only where stages compute at once, and stages that
-    share a device take turns on it), the rows shared evenly; sampling runs one lane."""
-    sampling = bool(gc.do_sample)
-    if lanes == "auto":
-        lanes = 1 if sampling else min(devices, rows)
-    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
-        raise ConfigError(f"lanes={lanes!r}: give a positive int or 'auto'")
-    if sampling and lanes > 1:
-        raise ConfigError(
-            f"lanes={lanes} with do_sample=True: sampling draws from torch's one random "
-            "generator, which lanes running side by side would draw from in no set order; "
-            "pass lanes=1 (then it equals model.generate's sampling under the same seed)"
-        )
-    if per_lane is None:
-        per_lane = -(-rows // lanes)
-    if not isinstance(per_lane, int) or isinstance(per_lane, bool) or per_lane < 1:
-        raise ConfigError(f"sequences_per_lane={per_lane!r}: give a positive int")
-    return min(lanes, -(-rows // per_lane)), per_lane
 
 
 def _rows(value: Any, a: int, b: int, rows: int) -> Any:

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.devices.targets import model_device
 from fxpipe.errors import ConfigError
 from fxpipe.generation.cache import CacheLayout, StepCache, error_line
 from fxpipe.ir import PipelinePlan, StageProgram
@@ -42,7 +43,7 @@ from fxpipe.trace.shapes import replicate_shape_queries
 from fxpipe.trace.tracing import merge_aliased_attributes
 from fxpipe.weights.materialise import meta_view
 
-__all__ = ["StepKind", "StepVariant", "trace_step", "one_device", "STEP_INPUTS"]
+__all__ = ["StepKind", "StepVariant", "trace_step", "STEP_INPUTS"]
 
 StepKind = Literal["prefill", "decode"]
 
@@ -114,7 +115,7 @@ def trace_step(
 
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
     step = _Step(model, argument, keeps)
-    place = one_device(model)
+    place = model_device(model)
     tokens = 1 if kind == "decode" else 3
     example = _example(layout, rows, tokens, place or torch.device("meta"))
     view: AbstractContextManager[Any] = nullcontext() if place is not None else meta_view(model)
@@ -269,15 +270,6 @@ def _dynamic(layout: CacheLayout, rows: int, tokens: int) -> tuple[Any, ...]:
     ids = {**r, 1: t} if t is not None else r
     caches = [{**r, 2: length} for _ in range(2 * len(layout.layers))]
     return (ids, {**r, 1: length}, ids, {0: t} if t is not None else {}, caches)
-
-
-def one_device(model: nn.Module) -> torch.device | None:
-    """The device every tensor of ``model`` lives on; None where several, or ``meta``."""
-    found = {t.device for t in chain(model.parameters(), model.buffers())}
-    if len(found) != 1:
-        return None
-    (device,) = found
-    return None if device.type == "meta" else device
 
 
 @contextlib.contextmanager

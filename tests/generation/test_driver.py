@@ -238,23 +238,6 @@ def test_an_encoder_decoder_is_refused_and_never_run_unpipelined() -> None:
         pipe.generate(ids, max_new_tokens=3)
 
 
-def test_auto_lanes_are_one_per_device_the_stages_span_and_one_when_sampling() -> None:
-    from fxpipe.generation.driver import _lanes
-
-    greedy, sampling = (
-        transformers.GenerationConfig(),
-        transformers.GenerationConfig(do_sample=True),
-    )
-    assert _lanes("auto", None, 5, 2, greedy) == (2, 3)
-    assert _lanes("auto", None, 5, 1, greedy) == (1, 5)
-    assert _lanes("auto", None, 1, 4, greedy) == (1, 1)
-    assert _lanes("auto", None, 5, 2, sampling) == (1, 5)
-    assert _lanes(3, 1, 5, 1, greedy) == (3, 1)  # asked for: five groups of one, three lanes
-    assert _lanes(4, 3, 5, 1, greedy) == (2, 3)  # no more lanes than groups
-    with pytest.raises(ConfigError, match="lanes=0"):
-        _lanes(0, None, 5, 1, greedy)
-
-
 def test_a_cache_over_the_memory_budget_is_refused_and_fewer_rows_per_lane_fit() -> None:
     import dataclasses
 

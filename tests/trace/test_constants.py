@@ -24,7 +24,7 @@ def devices(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "several devices":
         import fxpipe.compiler.retrace
 
-        monkeypatch.setattr(fxpipe.compiler.retrace, "_one_device", lambda model: None)
+        monkeypatch.setattr(fxpipe.compiler.retrace, "model_device", lambda model: None)
     return str(request.param)
 
 
@@ -78,7 +78,7 @@ def test_a_constant_only_the_other_mode_makes_is_refused_naming_it(
     works."""
     import fxpipe.compiler.retrace
 
-    monkeypatch.setattr(fxpipe.compiler.retrace, "_one_device", lambda model: None)
+    monkeypatch.setattr(fxpipe.compiler.retrace, "model_device", lambda model: None)
     model = MakesConstants(eval_only=True)
     x = torch.randn(8, 4)
     pipe = fxpipe.pipeline(model, x, CPU2, chunks=2, tracer="export", cost="flops")

@@ -1,0 +1,29 @@
+"""A generate call resolved: lanes="auto" is one lane per device the stages span, sampling
+runs one lane, asked-for lanes are never more than the groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxpipe.errors import ConfigError
+from fxpipe.generation.request import lanes_and_rows
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_auto_lanes_are_one_per_device_the_stages_span_and_one_when_sampling() -> None:
+    greedy, sampling = (
+        transformers.GenerationConfig(),
+        transformers.GenerationConfig(do_sample=True),
+    )
+    assert lanes_and_rows("auto", None, 5, 2, greedy) == (2, 3)
+    assert lanes_and_rows("auto", None, 5, 1, greedy) == (1, 5)
+    assert lanes_and_rows("auto", None, 1, 4, greedy) == (1, 1)
+    assert lanes_and_rows("auto", None, 5, 2, sampling) == (1, 5)
+    assert lanes_and_rows(3, 1, 5, 1, greedy) == (
+        3,
+        1,
+    )  # asked for: five groups of one, three lanes
+    assert lanes_and_rows(4, 3, 5, 1, greedy) == (2, 3)  # no more lanes than groups
+    with pytest.raises(ConfigError, match="lanes=0"):
+        lanes_and_rows(0, None, 5, 1, greedy)
