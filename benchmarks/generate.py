@@ -31,6 +31,10 @@ Rows (the issue's targets):
    16 new tokens (target 10x);
 4. crossover: ``lanes=2`` over ``lanes=1`` for 1, 2, 4, 8 and 16 sequences per lane.
 
+``--device cuda`` (what ``benchmarks/gpu_check.sh`` runs on a GPU machine) measures instead
+one lane through 2 stages on that one device over ``model.generate`` with a static cache
+(target 0.9x) and with its own cache, in this process.
+
 Token equality with ``model.generate`` is checked on every case's first round. The table
 and ``benchmarks/results/generate.json`` hold every row, the command and the machine.
 """
@@ -173,6 +177,54 @@ def _bound() -> dict[str, Any]:
     }
 
 
+def _one_device(device: str, out: Path, *, quick: bool) -> int:
+    """One lane through 2 stages on ``device`` over ``model.generate`` with a static cache
+    (compiled or not, as transformers picks) and with its own dynamic cache, 64 prompts x 64
+    new tokens (16 x 16 with ``quick``), variants alternating over 5 rounds after a warm-up;
+    tokens compared with the static run's."""
+    import torch
+
+    import fxpipe
+
+    rows, new = (16, 16) if quick else (64, 64)
+    model, ids, mask = _model_and_prompts(rows)
+    where = torch.device(device)
+    model, ids, mask = model.to(where), ids.to(where), mask.to(where)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False)
+    pipe = fxpipe.pipeline(
+        model, ids[:4], [where] * 2, example_kwargs={"attention_mask": mask[:4]}
+    )
+    runs = {
+        "lanes=1": lambda: pipe.generate(ids, lanes=1, **kwargs),
+        "static cache": lambda: model.generate(
+            ids, use_cache=True, cache_implementation="static", **kwargs
+        ),
+        "dynamic cache": lambda: model.generate(ids, use_cache=True, **kwargs),
+    }
+    sync = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    outputs = {n: f() for n, f in runs.items()}  # warm-up, and the tokens to compare
+    for r in range(5):
+        for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+            sync()
+            start = time.perf_counter()
+            runs[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    rows_out = [
+        {"row": f"one device ({device}), {rows} x {new}", "variant": "lanes=1", "baseline": b,
+         "ratio": _ratio(times, "lanes=1", b),
+         "equal": bool(torch.equal(outputs["lanes=1"].cpu(), outputs[b].cpu()))}
+        for b in ("static cache", "dynamic cache")
+    ]  # fmt: skip
+    for r in rows_out:
+        print(f"{r['row']}: {r['variant']} over model.generate with a {r['baseline']}: "
+              f"{r['ratio']:.2f}x (target 0.9x), tokens equal: {r['equal']}")  # fmt: skip
+    payload = {"command": command_line(), "machine": machine_record(), "rows": rows_out,
+               "times": times}  # fmt: skip
+    return save_json(out, payload)
+
+
 def _environ() -> dict[str, str]:
     import os
 
@@ -196,8 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="16 prompts x 16 tokens, 2 rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(result_path("generate")))
+    parser.add_argument(
+        "--device",
+        help="instead of the table: on this device alone (cuda on a GPU machine), one lane "
+        "through 2 stages over model.generate with a static cache and with its own cache",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.device:
+        return _one_device(args.device, Path(args.out), quick=args.quick)
     if args.worker == "matmuls":
         print(json.dumps(_matmuls()))
         return 0

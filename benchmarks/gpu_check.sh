@@ -10,7 +10,8 @@
 # where AUTOCONFIG_MODELS names models, then the whole suite with CUDA visible (on several
 # workers when pytest-xdist is installed). Logs and JSON go to $OUT (default
 # /tmp/fxpipe-gpu); a short summary is printed last. SKIP_CUDA_TESTS, SKIP_BENCH,
-# SKIP_AUTOCONFIG, SKIP_COMPILE, SKIP_AGREEMENT, SKIP_TENSOR and SKIP_SUITE leave a part out.
+# SKIP_AUTOCONFIG, SKIP_COMPILE, SKIP_AGREEMENT, SKIP_TENSOR, SKIP_GENERATE and SKIP_SUITE leave
+# a part out (pipe.generate's one-device overhead: python -m benchmarks.generate --device cuda).
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, torch with CUDA installed
 set -u
@@ -87,6 +88,10 @@ if [ -z "${SKIP_TENSOR:-}" ]; then  # one tensor-parallel rank's compute, a Llam
     TAIL=10 step sequence_parallel "${TENSOR_S:-120}" sh -c 'cd "$1" && shift && exec "$@"' \
         sh "$BENCH_DIR" "$PY" -m benchmarks.sequence_parallel --device cuda --model llama-7b \
         --repeats 5 --out "$OUT/sequence_parallel_cuda.json"
+fi
+if [ -z "${SKIP_GENERATE:-}" ]; then  # one lane of pipe.generate over model.generate
+    TAIL=6 step generate "${GENERATE_S:-240}" sh -c 'cd "$1" && shift && exec "$@"' sh \
+        "$BENCH_DIR" "$PY" -m benchmarks.generate --device cuda --out "$OUT/generate_cuda.json"
 fi
 if [ -n "${AUTOCONFIG_MODELS:-}" ]; then  # the automatic configuration against its grid
     TAIL=20 step autoconfig "${AUTOCONFIG_S:-200}" sh -c 'cd "$1" && shift && exec "$@"' sh \

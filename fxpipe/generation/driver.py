@@ -10,8 +10,9 @@ its rows compute what the same rows of the whole batch would; the groups' output
 in row order, each padded on the right with the pad token to the longest (as ``generate``
 pads rows that finish early).
 
-The model's forward is never called: while ``generate`` runs, the model's ``forward`` is
-replaced (on the model object, restored after) by the lane's step.
+The model's forward does not generate: while ``generate`` runs, the model's ``forward`` is
+replaced (on the model object, restored after) by the lane's step; it runs once before, over
+two positions, to learn each layer's cache (:meth:`Generator.layout`).
 """
 
 from __future__ import annotations
