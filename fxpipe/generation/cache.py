@@ -5,19 +5,20 @@ them, written in place, with the objects Hugging Face's code talks to while it r
 Three views of one cache:
 
 - :class:`CacheLayout` (what a layer holds: heads, head sizes, dtype), found by one run of the
-  model on ``meta`` (:func:`probe_layout`), and :class:`StageCaches`, its tensors made for a
-  batch and a length on each layer's stage device;
-- :class:`StepCache`, what the model's attention writes into while the generation step is
+  model over two positions (:func:`probe_layout`), and :class:`StageCaches`, its tensors made
+  for a batch and a length on each layer's stage device;
+- :func:`step_cache`, what the model's attention writes into while the generation step is
   traced: each layer's new keys and values copied into its tensors at the step's positions
   (``index_copy_``, an in-place write that the trace keeps, so the graph's stages write
   their own layers' cache and nothing of it crosses a border);
-- :class:`LaneCache`, what ``generate``'s loop holds for a lane: how many positions it has
+- :func:`lane_cache`, what ``generate``'s loop holds for a lane: how many positions it has
   written, and beam search's reordering of its rows.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +32,8 @@ __all__ = [
     "CacheLayout",
     "LayerLayout",
     "StageCaches",
-    "StepCache",
-    "LaneCache",
+    "step_cache",
+    "lane_cache",
     "probe_layout",
     "cache_argument",
     "error_line",
@@ -68,8 +69,6 @@ class CacheLayout:
 def cache_argument(model: nn.Module) -> str:
     """The keyword the model's forward takes its cache by (``cache``, or the older
     ``past_key_values``); ConfigError where it takes none."""
-    import inspect
-
     names = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):
         if name in names:
@@ -82,9 +81,10 @@ def cache_argument(model: nn.Module) -> str:
 
 
 @functools.cache
-def _classes() -> tuple[type[Any], type[Any]]:
-    """transformers' ``Cache``, and the layer class of this module's caches (built once,
-    when generation is first asked for: transformers is imported only then)."""
+def _classes() -> tuple[type[Any], type[Any], type[Any]]:
+    """transformers' ``Cache``, the layer class of this module's caches and their common
+    base over a list of tensors (built once, when generation is first asked for:
+    transformers is imported only then)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     class Layer(CacheLayerMixin):  # type: ignore[no-untyped-call]
@@ -123,16 +123,25 @@ def _classes() -> tuple[type[Any], type[Any]]:
                 if t is not None:
                     t.copy_(t.index_select(0, beam_idx.to(t.device)))
 
-    return Cache, Layer
+    class Over(Cache):
+        """A cache over ``tensors``: the keys and values of each layer in turn."""
+
+        def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+            pairs = zip(tensors[0::2], tensors[1::2], strict=True)
+            super().__init__(layers=[Layer(k, v) for k, v in pairs])
+            self.tensors = list(tensors)
+
+    return Cache, Layer, Over
 
 
 def probe_layout(model: nn.Module, embeds: torch.Tensor, argument: str) -> CacheLayout:
-    """Each attention layer's heads, head sizes and dtype, from one run of ``model`` on
-    ``meta`` over ``embeds`` (embedded tokens of one row, on ``meta``: token ids and a mask
-    would have some models read their values) with a cache that records what each layer
-    writes. ConfigError where a layer keeps something else (a
-    recurrent state, layers sharing one cache) or the model writes no cache at all."""
-    cache_cls, layer_cls = _classes()
+    """Each attention layer's heads, head sizes and dtype, from one run of ``model`` over
+    ``embeds`` (embedded tokens of one row, zeros or on ``meta``: token ids and a mask would
+    have some models read their values) with a cache that records what each layer writes;
+    where that run fails (on ``meta``, some kernels such as grouped experts run only while
+    traced), from torch.export's trace of it. ConfigError where a layer keeps something
+    else (a recurrent state, layers sharing one cache) or the model writes no cache."""
+    cache_cls, layer_cls, _ = _classes()
     seen: dict[int, LayerLayout] = {}
 
     class _Probe(cache_cls):  # type: ignore[misc, valid-type]
@@ -234,74 +243,58 @@ class StageCaches:
         return [t[start:stop] for t in self.tensors]
 
 
-class StepCache:
-    """Made by :meth:`make`: a transformers ``Cache`` over ``tensors`` (keys and values of each
-    layer in turn) whose ``update`` writes a layer's new keys and values at ``positions``
-    (the step's absolute positions) in place and returns the whole tensors; masks are sized
-    to the whole length (the attention mask given with the step marks what is written)."""
+def step_cache(tensors: Sequence[torch.Tensor], positions: torch.Tensor) -> Any:
+    """A transformers ``Cache`` over ``tensors`` (keys and values of each layer in turn) whose
+    ``update`` writes a layer's new keys and values at ``positions`` (the step's absolute
+    positions) in place and returns the whole tensors; masks are sized to the whole length
+    (the attention mask given with the step marks what is written)."""
+    _, _, over = _classes()
 
-    @staticmethod
-    def make(tensors: Sequence[torch.Tensor], positions: torch.Tensor) -> Any:
-        """The cache over ``tensors`` writing at ``positions``."""
-        cache_cls, layer_cls = _classes()
+    class _Step(over):  # type: ignore[misc, valid-type]
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+            *args: Any, **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            keys, values = self.tensors[2 * layer_idx], self.tensors[2 * layer_idx + 1]
+            keys.index_copy_(2, positions, key_states)
+            values.index_copy_(2, positions, value_states)
+            return keys, values
 
-        class _Step(cache_cls):  # type: ignore[misc, valid-type]
-            def __init__(self) -> None:
-                pairs = zip(tensors[0::2], tensors[1::2], strict=True)
-                super().__init__(layers=[layer_cls(k, v) for k, v in pairs])
+        def get_seq_length(self, layer_idx: int = 0) -> Any:
+            return positions[0]
 
-            def update(
-                self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-                *args: Any, **kwargs: Any,
-            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-                keys, values = tensors[2 * layer_idx], tensors[2 * layer_idx + 1]
-                keys.index_copy_(2, positions, key_states)
-                values.index_copy_(2, positions, value_states)
-                return keys, values
+        def get_query_offset(self, layer_idx: int = 0) -> Any:
+            return positions[0]
 
-            def get_seq_length(self, layer_idx: int = 0) -> Any:
-                return positions[0]
+        def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+            return self.tensors[0].shape[2], 0
 
-            def get_query_offset(self, layer_idx: int = 0) -> Any:
-                return positions[0]
-
-            def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-                return tensors[0].shape[2], 0
-
-        return _Step()
+    return _Step(tensors)
 
 
-class LaneCache:
-    """Made by :meth:`make`: the ``Cache`` ``generate``'s loop holds for one lane: the views
-    of the lane's rows, how many positions it has written (``seen``), beam search's row
-    reordering done in place on every stage's device."""
+def lane_cache(tensors: Sequence[torch.Tensor]) -> Any:
+    """The ``Cache`` ``generate``'s loop holds for one lane whose rows of every layer are
+    ``tensors``: how many positions it has written (``seen``), beam search's row reordering
+    done in place on every stage's device; the model's own forward cannot write it."""
+    _, _, over = _classes()
 
-    @staticmethod
-    def make(tensors: Sequence[torch.Tensor]) -> Any:
-        """The cache of a lane whose rows of every layer are ``tensors``."""
-        cache_cls, layer_cls = _classes()
+    class _Lane(over):  # type: ignore[misc, valid-type]
+        seen = 0
 
-        class _Lane(cache_cls):  # type: ignore[misc, valid-type]
-            def __init__(self) -> None:
-                pairs = zip(tensors[0::2], tensors[1::2], strict=True)
-                super().__init__(layers=[layer_cls(k, v) for k, v in pairs])
-                self.tensors = list(tensors)
-                self.seen = 0
+        @property
+        def is_compileable(self) -> bool:
+            return False
 
-            @property
-            def is_compileable(self) -> bool:
-                return False
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.seen
 
-            def get_seq_length(self, layer_idx: int = 0) -> int:
-                return self.seen
+        def get_query_offset(self, layer_idx: int = 0) -> int:
+            return self.seen
 
-            def get_query_offset(self, layer_idx: int = 0) -> int:
-                return self.seen
+        def update(self, *args: Any, **kwargs: Any) -> Any:
+            raise ConfigError(
+                "a pipeline's generation cache is written by its stages only; the model's "
+                "own forward cannot use it"
+            )
 
-            def update(self, *args: Any, **kwargs: Any) -> Any:
-                raise ConfigError(
-                    "a pipeline's generation cache is written by its stages only; the model's "
-                    "own forward cannot use it"
-                )
-
-        return _Lane()
+    return _Lane(tensors)

@@ -17,6 +17,7 @@ two positions, to learn each layer's cache (:meth:`Generator.layout`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -31,9 +32,9 @@ from fxpipe.devices.targets import model_device
 from fxpipe.errors import ConfigError, MemoryPlanError
 from fxpipe.generation.cache import (
     CacheLayout,
-    LaneCache,
     StageCaches,
     cache_argument,
+    lane_cache,
     probe_layout,
 )
 from fxpipe.generation.request import Request, resolve_request
@@ -93,6 +94,11 @@ class Generator:
 
     # ------------------------------------------------------------------ what it needs
 
+    @functools.cached_property
+    def argument(self) -> str:
+        """The keyword the model's forward takes its cache by (ConfigError where none)."""
+        return cache_argument(self.model)
+
     def layout(self) -> CacheLayout:
         """Each attention layer's cache (heads, head sizes, dtype), from one run of the model
         over two positions (on ``meta`` where its tensors live on several devices)."""
@@ -104,7 +110,7 @@ class Generator:
             with view:  # a real run of two positions where one device holds the model
                 shape = (1, 2, table.shape[1])
                 embeds = torch.zeros(shape, dtype=table.dtype, device=place or "meta")
-                self._layout = probe_layout(model, embeds, cache_argument(model))
+                self._layout = probe_layout(model, embeds, self.argument)
         return self._layout
 
     def variant(self, kind: StepKind, rows: int) -> StepVariant:
@@ -118,7 +124,7 @@ class Generator:
             try:
                 v = trace_step(
                     self.model, self.plan, self.program, self.layout(),
-                    cache_argument(self.model), kind=kind, rows=rows,
+                    self.argument, kind=kind, rows=rows,
                 )  # fmt: skip
             finally:
                 self.model.train(was)
@@ -134,7 +140,7 @@ class Generator:
 
     def cache_bytes(self, rows: int, length: int, rows_one: bool = False) -> tuple[int, ...]:
         """Bytes of cache each stage holds for ``rows`` sequences of ``length`` positions."""
-        stages = self.variant("decode", 1 if rows_one else 2).cache_stage[0::2]
+        stages = self.variant("decode", 1 if rows_one else 2).layer_stages
         out = [0] * self.plan.num_stages
         for j, size in zip(stages, self.layout().bytes(rows, length), strict=True):
             out[j] += size
@@ -157,7 +163,7 @@ class Generator:
             for kind in kinds if request.ids.shape[1] > 1 else ("decode",):
                 self.variant(kind, r)
         widest = max(b - a for a, b in request.groups) * request.expand
-        devices = [self.plan.devices[j] for j in self.variants[0].cache_stage[0::2]]
+        devices = [self.plan.devices[j] for j in self.variants[0].layer_stages]
         cache_bytes = self.cache_bytes(widest * request.lanes, request.length, widest == 1)
         _check_fits(self.plan, cache_bytes, request)
         pools = [
@@ -180,7 +186,7 @@ class Generator:
     ) -> list[Any]:
         """Every group's ``generate`` output, the groups taken by ``request.lanes`` lanes
         (threads where several) whose steps meet in one ring."""
-        model, argument = self.model, cache_argument(self.model)
+        model, argument = self.model, self.argument
         waiting = list(range(len(request.groups)))
         results: dict[int, Any] = {}
         errors: list[BaseException] = []
@@ -224,7 +230,7 @@ class Generator:
         """``generate`` over group ``g``'s rows, with a cache over the lane's rows."""
         a, b = request.groups[g]
         rows = request.ids.shape[0]
-        cache = LaneCache.make(pool.rows_of(0, (b - a) * request.expand))
+        cache = lane_cache(pool.rows_of(0, (b - a) * request.expand))
         for t in cache.tensors:
             t.zero_()
         kwargs = {k: _rows(v, a, b, rows) for k, v in request.model_kwargs.items()}

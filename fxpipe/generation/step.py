@@ -15,9 +15,10 @@ cache moves between variants: their stages follow the first plan's borders
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import chain
@@ -29,7 +30,7 @@ from torch import nn
 
 from fxpipe.devices.targets import model_device
 from fxpipe.errors import ConfigError
-from fxpipe.generation.cache import CacheLayout, StepCache, error_line
+from fxpipe.generation.cache import CacheLayout, error_line, step_cache
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.model_state import preserved
 from fxpipe.passes.partition.cost_graph import to_networkx
@@ -63,6 +64,11 @@ class StepVariant:
     #: The stage whose module writes each cache tensor (keys, values of layer 0, ...).
     cache_stage: tuple[int, ...]
 
+    @property
+    def layer_stages(self) -> tuple[int, ...]:
+        """The stage holding each layer's cache (its keys and values sit together)."""
+        return self.cache_stage[0::2]
+
     def fits(self, kind: StepKind, rows: int) -> bool:
         """Whether this variant runs a step of ``kind`` over ``rows`` rows."""
         return self.kind == kind and self.one_row == (rows == 1)
@@ -83,7 +89,7 @@ class _Step(nn.Module):
         cache_position: torch.Tensor,
         caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        extra: dict[str, Any] = {self.argument: StepCache.make(caches, cache_position)}
+        extra: dict[str, Any] = {self.argument: step_cache(caches, cache_position)}
         if self.keeps_logits:
             extra["logits_to_keep"] = 1
         out = self.model(
@@ -111,8 +117,6 @@ def trace_step(
     """The step of ``kind`` over lanes of ``rows`` rows traced and split along ``leader``'s
     borders. The model is traced on its own tensors where they share one device, else on
     ``meta`` views of them. The model is left as it was."""
-    import inspect
-
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
     step = _Step(model, argument, keeps)
     place = model_device(model)
@@ -240,7 +244,8 @@ def _sizes_off_caches(gm: fx.GraphModule) -> None:
 
 
 def _same_size(a: Any, b: Any) -> bool:
-    """Whether two sizes recorded by torch.export are the same symbol (or the same int)."""
+    """Whether two sizes recorded by torch.export are the same symbol (a fixed size, an int,
+    is never read from a placeholder)."""
     if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
         return bool(a.node.expr == b.node.expr)
     return False
@@ -278,8 +283,3 @@ def _quiet() -> Iterator[None]:
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         yield
-
-
-def stage_cache_devices(variant: StepVariant) -> Sequence[torch.device]:
-    """The device of each layer's cache (that of the stage writing its keys)."""
-    return [variant.plan.devices[j] for j in variant.cache_stage[0::2]]

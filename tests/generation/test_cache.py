@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fxpipe.errors import ConfigError
-from fxpipe.generation.cache import CacheLayout, LaneCache, LayerLayout, StageCaches, probe_layout
+from fxpipe.generation.cache import CacheLayout, LayerLayout, StageCaches, lane_cache, probe_layout
 from tests.generation.test_driver import built, gpt2, llama
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ def test_a_lane_reorders_its_rows_in_place_for_beam_search() -> None:
     caches = StageCaches(layout, [torch.device("cpu")], rows=6, length=3)
     for t in caches.tensors:
         t.copy_(torch.arange(6.0).view(6, 1, 1, 1).expand_as(t))
-    lane = LaneCache.make(caches.rows_of(2, 5))  # rows 2, 3, 4 of the batch
+    lane = lane_cache(caches.rows_of(2, 5))  # rows 2, 3, 4 of the batch
     lane.reorder_cache(torch.tensor([2, 2, 0]))
     for t in caches.tensors:
         assert t[:, 0, 0, 0].tolist() == [0, 1, 4, 4, 2, 5]  # the other rows untouched

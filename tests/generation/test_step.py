@@ -61,7 +61,7 @@ def test_each_layer_cache_lives_on_one_stage_and_nothing_of_it_crosses_a_border(
 
 
 def test_a_prefill_then_a_decode_step_equal_the_model_with_its_own_cache() -> None:
-    from fxpipe.generation.cache import LaneCache, StageCaches
+    from fxpipe.generation.cache import StageCaches, lane_cache
     from fxpipe.generation.ring import Ring
 
     model = built(llama, layers=2)
@@ -92,4 +92,4 @@ def test_a_prefill_then_a_decode_step_equal_the_model_with_its_own_cache() -> No
         cache=eager.cache, use_cache=True,
     )  # fmt: skip
     torch.testing.assert_close(logits, again.logits[:, -1:])
-    assert LaneCache.make(caches.rows_of(0, rows)).get_seq_length() == 0
+    assert lane_cache(caches.rows_of(0, rows)).get_seq_length() == 0
