@@ -29,7 +29,8 @@ How a model becomes a pipeline, one direction of flow, a folder per step:
    through ``torch.compile`` on request; ``fxpipe/distributed/`` runs the same plan one
    process per stage, and ``fxpipe/generation/`` runs ``pipe.generate()``: one step of
    generation traced with its key/value cache and split on the same borders, each stage
-   keeping its layers' cache, lanes of sequences in a ring of stage workers.
+   keeping its layers' cache, lanes of sequences in a ring of stage workers (or of
+   processes, one per stage).
 6. view (``fxpipe/views/``): ``print(plan)``, ``plan.draw()``, ``fxpipe.record(pipe)``, the
    planning log and the ``fxpipe inspect`` command.
 

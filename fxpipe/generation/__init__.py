@@ -8,7 +8,9 @@ key/value cache, lanes of sequences in flight through a ring of stages.
 - :mod:`~fxpipe.generation.request`: a ``generate`` call checked and resolved (what is
   refused, the cache's length, the rows' groups and lanes);
 - :mod:`~fxpipe.generation.ring`: the stage workers lanes' steps pass through;
-- :mod:`~fxpipe.generation.driver`: ``generate``'s own loop per lane over the ring.
+- :mod:`~fxpipe.generation.driver`: ``generate``'s own loop per lane over the ring;
+- :mod:`~fxpipe.generation.ranks`: the same, one process per stage (a distributed
+  pipeline's ``generate``), its messages in :mod:`~fxpipe.generation.wire`.
 """
 
 from fxpipe.generation.driver import GenerationRun, Generator

@@ -275,11 +275,25 @@ def step_cache(tensors: Sequence[torch.Tensor], positions: torch.Tensor) -> Any:
 def lane_cache(tensors: Sequence[torch.Tensor]) -> Any:
     """The ``Cache`` ``generate``'s loop holds for one lane whose rows of every layer are
     ``tensors``: how many positions it has written (``seen``), beam search's row reordering
-    done in place on every stage's device; the model's own forward cannot write it."""
+    done in place on every stage's device (and kept, for stages in other processes, until
+    :meth:`take_reordered`); the model's own forward cannot write it."""
     _, _, over = _classes()
 
     class _Lane(over):  # type: ignore[misc, valid-type]
         seen = 0
+        #: Beam search's reorderings since the last step, as one index (None: none).
+        reordered: torch.Tensor | None = None
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            super().reorder_cache(beam_idx)
+            last = self.reordered
+            self.reordered = beam_idx if last is None else last.index_select(0, beam_idx)
+
+        def take_reordered(self) -> torch.Tensor | None:
+            """The rows' reordering since this was last taken (for a stage in another
+            process, which holds its own rows), or None."""
+            out, self.reordered = self.reordered, None
+            return out
 
         @property
         def is_compileable(self) -> bool:

@@ -157,13 +157,15 @@ class Generator:
     ) -> Any:
         """``model.generate(*args, **kwargs)`` through the stages (see the module docstring);
         ``lanes`` and ``sequences_per_lane`` are taken out of ``kwargs``."""
-        request = resolve_request(self.model, len(set(self.plan.devices)), args, kwargs)
+        request = resolve_request(
+            self.model, self.places(), args, kwargs, lane_rows=self.lane_rows
+        )
         for r in {(b - a) * request.expand for a, b in request.groups}:  # before any step
             kinds: tuple[StepKind, ...] = ("prefill", "decode")
             for kind in kinds if request.ids.shape[1] > 1 else ("decode",):
                 self.variant(kind, r)
         widest = max(b - a for a, b in request.groups) * request.expand
-        devices = [self.plan.devices[j] for j in self.variants[0].layer_stages]
+        devices = self._cache_devices()
         cache_bytes = self.cache_bytes(widest * request.lanes, request.length, widest == 1)
         _check_fits(self.plan, cache_bytes, request)
         pools = [
@@ -180,6 +182,32 @@ class Generator:
             tuple(str(d) for d in self.plan.devices),
         )  # fmt: skip
         return _joined(results, request.config)
+
+    # ------------------------------------------------------------------ where stages run
+
+    #: Rows each lane ``lanes="auto"`` makes must have (fewer: fewer lanes).
+    lane_rows = 1
+
+    def places(self) -> int:
+        """Devices the stages span (``lanes="auto"`` runs one lane per device)."""
+        return len(set(self.plan.devices))
+
+    def _cache_devices(self) -> list[torch.device]:
+        """The device each layer's cache is made on."""
+        return [self.plan.devices[j] for j in self.variants[0].layer_stages]
+
+    def _ring(self, threads: bool, recorder: RunRecorder) -> Any:
+        """The ring the lanes' steps go through (a context manager)."""
+        return Ring(self.plan.devices, threads=threads, recorder=recorder)
+
+    def _through(
+        self, ring: Any, lane: int, variant: StepVariant, values: list[Any], cache: Any
+    ) -> torch.Tensor:
+        """One step of ``lane`` through ``ring``: the logits of each row's last position."""
+        out: torch.Tensor = ring.step(lane, variant.program, values)
+        return out
+
+    # ------------------------------------------------------------------ lanes
 
     def _run_lanes(
         self, request: Request, pools: list[StageCaches], recorder: RunRecorder
@@ -211,7 +239,7 @@ class Generator:
         threads = request.lanes > 1
         recorder.begin_run()
         with _forward_replaced(model, step):
-            with Ring(self.plan.devices, threads=threads, recorder=recorder) as ring:
+            with self._ring(threads, recorder) as ring:
                 workers = [
                     threading.Thread(target=lane, args=(j, ring), name=f"fxpipe-lane-{j}")
                     for j in range(request.lanes if threads else 0)
@@ -279,7 +307,7 @@ class Generator:
             position = positions.expand(rows, tokens)
         variant = self.variant("prefill" if tokens > 1 else "decode", rows)
         values = [ids, whole, position.contiguous(), positions, *cache.tensors]
-        logits = ring.step(lane, variant.program, values).to(device)
+        logits = self._through(ring, lane, variant, values, cache).to(device)
         cache.seen = seen + tokens
         return CausalLMOutputWithPast(logits=logits, **{argument: cache})
 

@@ -46,9 +46,15 @@ class Request:
 
 
 def resolve_request(
-    model: nn.Module, devices: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: nn.Module,
+    devices: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    lane_rows: int = 1,
 ) -> Request:
-    """The call checked and resolved (ConfigError or InputError naming what to change)."""
+    """The call checked and resolved (ConfigError or InputError naming what to change);
+    ``devices`` and ``lane_rows`` as :func:`lanes_and_rows` takes them."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generate"):
         raise ConfigError(
@@ -82,7 +88,7 @@ def resolve_request(
             "give one mask value per token"
         )
     rows = ids.shape[0]
-    lanes, per_lane = lanes_and_rows(lanes, per_lane, rows, devices, gc)
+    lanes, per_lane = lanes_and_rows(lanes, per_lane, rows, devices, gc, lane_rows=lane_rows)
     groups = tuple((a, min(a + per_lane, rows)) for a in range(0, rows, per_lane))
     if len(groups) > 1 and gc.return_dict_in_generate:
         raise ConfigError(
@@ -117,13 +123,16 @@ def _length(gc: Any, prompt: int) -> int:
     return max(int(gc.max_length), prompt + 1)
 
 
-def lanes_and_rows(lanes: Any, per_lane: Any, rows: int, devices: int, gc: Any) -> tuple[int, int]:
+def lanes_and_rows(
+    lanes: Any, per_lane: Any, rows: int, devices: int, gc: Any, *, lane_rows: int = 1
+) -> tuple[int, int]:
     """(lanes, sequences per lane) resolved: ``"auto"`` is one lane per device the stages
-    span (at most one per row; lanes pay only where stages compute at once, and stages that
-    share a device take turns on it), the rows shared evenly; sampling runs one lane."""
+    span (lanes pay only where stages compute at once, and stages that share a device take
+    turns on it), each with at least ``lane_rows`` rows where there are that many, the rows
+    shared evenly; sampling runs one lane."""
     sampling = bool(gc.do_sample)
     if lanes == "auto":
-        lanes = 1 if sampling else min(devices, rows)
+        lanes = 1 if sampling else max(1, min(devices, rows // lane_rows))
     if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
         raise ConfigError(f"lanes={lanes!r}: give a positive int or 'auto'")
     if sampling and lanes > 1:

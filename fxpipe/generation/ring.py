@@ -24,7 +24,7 @@ from fxpipe.devices.targets import same_device
 from fxpipe.ir import StageProgram, ValueRef
 from fxpipe.runtime.recording import NO_RECORDER, RunRecorder
 
-__all__ = ["Ring"]
+__all__ = ["Ring", "on_device"]
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Ring:
     def _run(self, trip: _Trip, j: int) -> None:
         """Stage ``j`` of ``trip``: its inputs moved to its device, its outputs kept."""
         program, device = trip.program, self.devices[j]
-        args = tuple(_to(trip.env[name], device) for name in program.inputs[j])
+        args = tuple(on_device(trip.env[name], device) for name in program.inputs[j])
         with torch.no_grad():
             work = self.recorder.cell(
                 (trip.lane, j), device, program.modules[j], args, None, False
@@ -121,7 +121,7 @@ class Ring:
         trip.env.update(zip(program.outputs[j], out, strict=True))
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def on_device(value: Any, device: torch.device) -> Any:
     """``value`` on ``device`` (a tensor elsewhere is copied; anything else as it is)."""
     if isinstance(value, torch.Tensor) and not same_device(value.device, device):
         return value.to(device)

@@ -122,7 +122,9 @@ def trace_step(
     place = model_device(model)
     tokens = 1 if kind == "decode" else 3
     example = _example(layout, rows, tokens, place or torch.device("meta"))
-    view: AbstractContextManager[Any] = nullcontext() if place is not None else meta_view(model)
+    view: AbstractContextManager[Any] = (
+        nullcontext() if place is not None else meta_view(model, live=True)
+    )  # a tensor a replica's gradient hooks hold is swapped and back, nothing runs backward
     with preserved(model), view, _quiet():
         try:
             program = torch.export.export(
@@ -150,10 +152,10 @@ def trace_step(
     stage_of = _caches_beside_attention(gm, follow_borders(leader, gm, g))
     plan = build_plan(
         gm, costs, g,
-        Partition(stage_of, 0.0, "follow", 0.0, leader_program.traffic),
+        Partition(stage_of, 0.0, "follow", 0.0, "direct"),  # caches go to their stage only
         leader.devices, chunks=1, checkpoint="never", training=False,
     )  # fmt: skip
-    split = split_stages(plan, unlifted._out_spec, traffic=leader_program.traffic)
+    split = split_stages(plan, unlifted._out_spec, traffic="direct")
     place_constants(split.modules, plan.devices, model)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][len(STEP_INPUTS) :]
     cache_stage = tuple(_reader(split, name) for name in names)

@@ -20,6 +20,8 @@ def test_auto_lanes_are_one_per_device_the_stages_span_and_one_when_sampling() -
     assert lanes_and_rows("auto", None, 5, 1, greedy) == (1, 5)
     assert lanes_and_rows("auto", None, 1, 4, greedy) == (1, 1)
     assert lanes_and_rows("auto", None, 5, 2, sampling) == (1, 5)
+    assert lanes_and_rows("auto", None, 7, 2, greedy, lane_rows=4) == (1, 7)  # 2 of 3, 4
+    assert lanes_and_rows("auto", None, 8, 3, greedy, lane_rows=4) == (2, 4)
     assert lanes_and_rows(3, 1, 5, 1, greedy) == (
         3,
         1,

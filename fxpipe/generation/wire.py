@@ -1,0 +1,201 @@
+"""The messages of generation one process per stage: what one lane's step hands to the next
+process, sent point to point as a header with a manifest of each value's kind and shape, then
+the tensors' bytes packed in one buffer (a step's shapes change between prefill and decode
+and from group to group, so the receiver learns them from the manifest rather than fixing
+them; each send costs a round of the transport, so there are two or three per message)."""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import ConfigError
+
+__all__ = [
+    "Message",
+    "STEP",
+    "STOP",
+    "ERROR",
+    "send_message",
+    "recv_message",
+    "error_message",
+    "error_text",
+    "named",
+    "in_order",
+]
+
+#: A message's command: a lane's step, the end of the call, a stage's error on its way back.
+STOP, STEP, ERROR = 0, 1, 2
+#: The header's fields, in order.
+_FIELDS = ("command", "lane", "kind", "one_row", "rows", "length", "seen", "count")
+#: Manifest columns per value: its kind, its number of dimensions, up to 8 sizes.
+_WIDTH, _MAX_DIMS = 10, 8
+#: Values whose manifest rows travel in the header's send (the rest in one more).
+_IN_HEADER = 16
+#: Tensor dtypes by their code (a value's kind); negative codes are Python scalars.
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+_INT, _FLOAT, _BOOL, _NONE = -1, -2, -3, -4
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message: a command, the lane, the step (prefill 0 or decode 1, for lanes of one
+    row or not), its rows, the cache's length, the positions written before it, and values
+    in an order both sides know (``count`` of them)."""
+
+    command: int
+    lane: int = 0
+    kind: int = 0
+    one_row: int = 0
+    rows: int = 0
+    length: int = 0
+    seen: int = 0
+    values: tuple[Any, ...] = field(default=())
+
+
+def send_message(
+    message: Message,
+    dst: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    *,
+    tag: int = 0,
+) -> None:
+    """Send ``message`` to global rank ``dst`` over ``group`` under ``tag`` (tensors via
+    ``device``): the
+    header with the first values' manifest rows in one send, any further rows in a second,
+    and every tensor's bytes packed in one more (a few sends per step, whatever it carries)."""
+    rows = [_entry(v) for v in message.values]
+    head = [getattr(message, f) for f in _FIELDS[:-1]] + [len(rows)]
+    first = rows[:_IN_HEADER] + [[0] * _WIDTH] * (_IN_HEADER - len(rows[:_IN_HEADER]))
+    flat = head + [x for row in first for x in row]
+    dist.send(torch.tensor(flat, dtype=torch.long, device=device), dst, group=group, tag=tag)
+    if len(rows) > _IN_HEADER:
+        more = torch.tensor(rows[_IN_HEADER:], dtype=torch.long, device=device)
+        dist.send(more, dst, group=group, tag=tag)
+    tensors = [v for v in message.values if isinstance(v, torch.Tensor) and v.numel()]
+    if tensors:
+        packed = torch.cat([_bytes(t.detach().to(device)) for t in tensors])
+        dist.send(packed, dst, group=group, tag=tag)
+
+
+def recv_message(
+    src: int, group: dist.ProcessGroup | None, device: torch.device, *, tag: int = 0
+) -> Message:
+    """The next message from global rank ``src`` over ``group`` (tensors on ``device``, each
+    a view of the one buffer they came in)."""
+    flat = torch.empty(len(_FIELDS) + _IN_HEADER * _WIDTH, dtype=torch.long, device=device)
+    dist.recv(flat, src, group=group, tag=tag)
+    numbers = flat.tolist()
+    fields = dict(zip(_FIELDS, numbers[: len(_FIELDS)], strict=True))
+    count = fields.pop("count")
+    body = numbers[len(_FIELDS) :]
+    rows = [body[i * _WIDTH : (i + 1) * _WIDTH] for i in range(min(count, _IN_HEADER))]
+    if count > _IN_HEADER:
+        more = torch.empty((count - _IN_HEADER, _WIDTH), dtype=torch.long, device=device)
+        dist.recv(more, src, group=group, tag=tag)
+        rows += more.tolist()
+    shapes = [(code, sizes[:ndim]) for code, ndim, *sizes in rows]
+    sizes = [
+        math.prod(shape) * _DTYPES[code].itemsize if code >= 0 else 0 for code, shape in shapes
+    ]
+    packed = torch.empty(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=device)
+    if packed.numel():
+        dist.recv(packed, src, group=group, tag=tag)
+    values: list[Any] = []
+    offset = 0
+    for (code, shape), size, (_, _, raw, *_) in zip(shapes, sizes, rows, strict=True):
+        if code < 0:
+            values.append(_scalar(code, raw))
+            continue
+        data = packed[offset : offset + size]
+        offset += _padded(size)
+        values.append(data.view(_DTYPES[code]).view(shape) if size else
+                      torch.empty(shape, dtype=_DTYPES[code], device=device))  # fmt: skip
+    return Message(**fields, values=tuple(values))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's contents as flat bytes, padded to a multiple of 8 (so that each tensor in
+    a packed buffer starts where a view of any dtype may)."""
+    data = t.contiguous().reshape(-1).view(torch.uint8)
+    pad = _padded(data.numel()) - data.numel()
+    return torch.nn.functional.pad(data, (0, pad)) if pad else data
+
+
+def _padded(size: int) -> int:
+    """``size`` bytes rounded up to a multiple of 8."""
+    return -(-size // 8) * 8
+
+
+def error_message(lane: int, error: BaseException) -> Message:
+    """An ERROR message for ``lane`` carrying ``error``'s text (as bytes)."""
+    text = f"{type(error).__name__}: {error}".encode()
+    return Message(ERROR, lane, values=(torch.tensor(list(text), dtype=torch.uint8),))
+
+
+def error_text(message: Message) -> str:
+    """The text an ERROR message carries."""
+    (data,) = message.values
+    return bytes(data.tolist()).decode(errors="replace")
+
+
+def named(message: Message, names: Sequence[str]) -> dict[str, Any]:
+    """``message``'s values by ``names`` (the order both sides computed), checked."""
+    if len(names) != len(message.values):
+        raise ConfigError(
+            f"a generation step carried {len(message.values)} values where this process "
+            f"expects {len(names)} ({list(names)}): the processes traced different steps; "
+            "build the pipeline alike on every rank"
+        )
+    return dict(zip(names, message.values, strict=True))
+
+
+def in_order(values: Mapping[str, Any], names: Sequence[str]) -> tuple[Any, ...]:
+    """``values`` in the order of ``names``."""
+    return tuple(values[n] for n in names)
+
+
+def _entry(value: Any) -> list[int]:
+    """A value's manifest row."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _DTYPES or value.ndim > _MAX_DIMS:
+            raise ConfigError(
+                f"a generation step sends a {value.dtype} tensor of {value.ndim} dimensions "
+                "between processes, which fxpipe's messages do not carry"
+            )
+        sizes = list(value.shape) + [0] * (_MAX_DIMS - value.ndim)
+        return [_DTYPES.index(value.dtype), value.ndim, *sizes]
+    if value is None:
+        return [_NONE, 0] + [0] * _MAX_DIMS
+    if isinstance(value, bool):
+        return [_BOOL, 0, int(value)] + [0] * (_MAX_DIMS - 1)
+    if isinstance(value, int):
+        return [_INT, 0, value] + [0] * (_MAX_DIMS - 1)
+    if isinstance(value, float):
+        bits = struct.unpack("<q", struct.pack("<d", value))[0]
+        return [_FLOAT, 0, bits] + [0] * (_MAX_DIMS - 1)
+    raise ConfigError(
+        f"a generation step sends a {type(value).__name__} between processes, which "
+        "fxpipe's messages do not carry (tensors, ints, floats, bools and None)"
+    )
+
+
+def _scalar(code: int, raw: int) -> Any:
+    """The Python scalar a manifest row of ``code`` holds."""
+    if code == _INT:
+        return raw
+    if code == _BOOL:
+        return bool(raw)
+    if code == _FLOAT:
+        return struct.unpack("<d", struct.pack("<q", raw))[0]
+    return None
