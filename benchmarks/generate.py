@@ -24,12 +24,19 @@ Rows (the issue's targets):
    stages' summed busy time over the busiest stage's in a recorded one-lane run (lanes
    overlap the stages, so they reach at most that on this split); the line under the table
    is the first bound for two processes, once, at the start;
-2. overhead: ``pipe.generate(lanes=1)`` over ``model.generate`` with its own cache (one
+2. processes: the same two rows one process per stage (``fxpipe.distributed``'s pipeline,
+   2 gloo ranks of one thread each, ``generate`` on both, timed on rank 0): ``lanes=2`` over
+   ``lanes=1`` with 64 prompts (target 1.7x) and with 4 (target 0.95x; ``lanes="auto"``
+   there too: one lane, as 4 rows a lane are the fewest it gives a lane), and the crossover
+   (2 to 16 sequences per lane); the bound column is
+   the two-process line under the table, the split bound each rank's busy time (its stage's
+   modules timed) in a one-lane run;
+3. overhead: ``pipe.generate(lanes=1)`` over ``model.generate`` with its own cache (one
    thread, the model on one device), 64 x 64 (target 0.9x);
-3. against today's path: over ``model.generate`` with ``use_cache=False`` (what a
+4. against today's path: over ``model.generate`` with ``use_cache=False`` (what a
    pipelined model's config says, and what ``pipe.generate()`` ran before this), 64 prompts x
    16 new tokens (target 10x);
-4. crossover: ``lanes=2`` over ``lanes=1`` for 1, 2, 4, 8 and 16 sequences per lane.
+5. crossover: ``lanes=2`` over ``lanes=1`` for 1, 2, 4, 8 and 16 sequences per lane.
 
 ``--device cuda`` (what ``benchmarks/gpu_check.sh`` runs on a GPU machine) measures instead
 one lane through 2 stages on that one device over ``model.generate`` with a static cache
@@ -125,6 +132,106 @@ def _case(spec: dict[str, Any]) -> dict[str, Any]:
         split = sum(busy) / max(busy)
     return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
             "bound": statistics.median(bounds), "split_bound": split}  # fmt: skip
+
+
+def _ranks_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """The case of :func:`_case` one process per stage: 2 ranks (gloo, one thread each)
+    of ``fxpipe.distributed.pipeline_schedule``'s pipeline, timed on rank 0; the split bound
+    from each rank's busy time (its stage's modules timed) in one one-lane run."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    store_port = _free_port()
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank, args=(r, store_port, spec, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    found = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [f["error"] for f in found if "error" in f]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    (first,) = [f for f in found if f["rank"] == 0]
+    busy = [f["busy"] for f in sorted(found, key=lambda f: f["rank"])]
+    first["split_bound"] = sum(busy) / max(busy)
+    first["busy"] = busy
+    first["ranks"] = True
+    return first  # type: ignore[no-any-return]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, port: int, spec: dict[str, Any], results: Any) -> None:
+    """One rank of :func:`_ranks_case`: its times (rank 0) and its stage's busy seconds."""
+    import traceback
+
+    try:
+        results.put({"rank": rank, **_rank_times(rank, port, spec)})
+    except BaseException:
+        results.put({"rank": rank, "error": traceback.format_exc()})
+
+
+def _rank_times(rank: int, port: int, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import fxpipe.distributed as fd
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    model, ids, mask = _model_and_prompts(spec["rows"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=spec["new"], do_sample=False)
+    pipe = fd.pipeline_schedule(
+        model, ids[:4], example_kwargs={"attention_mask": mask[:4]}, n_microbatches=1,
+        loss_fn=None,
+    )  # fmt: skip
+    variants = spec["variants"]
+
+    def lanes(name: str) -> Any:
+        value = name.removeprefix("lanes=")
+        return value if value == "auto" else int(value)
+
+    for name in variants:  # traces each step variant once, outside the timing
+        pipe.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=2, lanes=lanes(name))
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    outputs: dict[str, Any] = {}
+    for r in range(spec["rounds"]):
+        for name in variants if r % 2 == 0 else variants[::-1]:
+            dist.barrier()
+            start = time.perf_counter()
+            out = pipe.generate(ids, lanes=lanes(name), **kwargs)
+            times[name].append(time.perf_counter() - start)
+            outputs.setdefault(name, out)
+    if rank == 0:  # the model alone, built again (this rank's holds only its stage)
+        want = _model_and_prompts(spec["rows"])[0].generate(ids, use_cache=True, **kwargs)
+    equal = rank != 0 or all(torch.equal(o, want) for o in outputs.values())
+    busy = [0.0]
+    generator = pipe._generator
+    assert generator is not None
+    stage = generator.stage
+    for v in generator.variants:  # this rank's stage timed, in one one-lane run
+        module = v.program.modules[stage]
+
+        def timed(*args: Any, _forward: Any = module.forward) -> Any:
+            start = time.perf_counter()
+            out = _forward(*args)
+            busy[0] += time.perf_counter() - start
+            return out
+
+        module.forward = timed
+    dist.barrier()
+    pipe.generate(ids, lanes=1, **kwargs)
+    dist.destroy_process_group()
+    return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
+            "busy": busy[0]}  # fmt: skip
 
 
 def _threads_bound() -> float:
@@ -261,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_matmuls()))
         return 0
     if args.worker:
-        print(json.dumps(_case(json.loads(args.worker))))
+        spec = json.loads(args.worker)
+        print(json.dumps(_ranks_case(spec) if spec.get("ranks") else _case(spec)))
         return 0
     rows, new = (16, 16) if args.quick else (64, 64)
     rounds = 2 if args.quick else args.rounds
@@ -276,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             "variant_tok_s": case["tokens"] / statistics.median(times[a]),
             "baseline_tok_s": case["tokens"] / statistics.median(times[b]),
             "target": target, "equal": case["equal"], "rounds": len(times[a]),
-            "bound": case["bound"] if a.startswith("lanes=") and a != "lanes=1" else None,
+            "bound": (bound["ratio"] if case.get("ranks") else case["bound"])
+            if a.startswith("lanes=") and a != "lanes=1" else None,
             "split_bound": case["split_bound"] if a.startswith("lanes=") and a != "lanes=1"
             else None,
         })  # fmt: skip
@@ -288,6 +397,17 @@ def main(argv: list[str] | None = None) -> int:
                   "variants": ["lanes=1", "lanes=2", "lanes=auto"]})  # fmt: skip
     row(f"lanes, 4 prompts x {new}", small, "lanes=2", "lanes=1", 0.95)
     row(f"lanes, 4 prompts x {new}", small, "lanes=auto", "lanes=1", 0.95)
+    ranked = _run({"ranks": True, "rows": rows, "new": new, "rounds": rounds,
+                   "variants": ["lanes=1", "lanes=2"]})  # fmt: skip
+    row(f"2 processes, {rows} prompts x {new}", ranked, "lanes=2", "lanes=1", 1.7)
+    ranked_small = _run({"ranks": True, "rows": 4, "new": new, "rounds": rounds + 2,
+                         "variants": ["lanes=1", "lanes=2", "lanes=auto"]})  # fmt: skip
+    row(f"2 processes, 4 prompts x {new}", ranked_small, "lanes=2", "lanes=1", 0.95)
+    row(f"2 processes, 4 prompts x {new}", ranked_small, "lanes=auto", "lanes=1", 0.95)
+    for per_lane in (2, 4, 8, 16):
+        case = _run({"ranks": True, "rows": 2 * per_lane, "new": new, "rounds": rounds,
+                     "variants": ["lanes=1", "lanes=2"]})  # fmt: skip
+        row(f"2 processes, {per_lane} per lane", case, "lanes=2", "lanes=1", None)
     row(f"overhead, {rows} x {new}", main_case, "lanes=1", "model.generate", 0.9)
     recompute = _run({"rows": rows, "new": 16, "rounds": 1,
                       "variants": ["model.generate(use_cache=False)", "lanes=1"]})  # fmt: skip
