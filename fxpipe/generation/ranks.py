@@ -108,8 +108,8 @@ class RankGenerator(Generator):
             raise result
         return result
 
-    #: Two lanes over one, 2 processes on 2 cores (``benchmarks/generate.py``): 0.65-0.79x
-    #: with 2 rows a lane, 1.02-1.10x with 4 and 8, 1.4x with 16.
+    #: Two lanes over one, 2 processes on 2 cores (``benchmarks/generate.py``): 0.82x with
+    #: 2 rows a lane, 1.03x with 4, 1.05x with 8, 1.23x with 16, 1.37x with 32.
     lane_rows = 4
 
     def places(self) -> int:
