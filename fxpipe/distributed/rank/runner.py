@@ -18,7 +18,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.utils._pytree import tree_unflatten
 
 from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
-from fxpipe.distributed.parallel.mesh import Layout, comm_device
+from fxpipe.distributed.parallel.mesh import Layout
 from fxpipe.distributed.parallel.ownership import Ownership, full_tensor, merge_state_dicts
 from fxpipe.distributed.planning.auto import ScheduleChoice
 from fxpipe.distributed.planning.tensor_parallel import cut_dims, parallelize_stages
@@ -28,6 +28,7 @@ from fxpipe.distributed.rank.checkpoint import (
     save_state,
     set_optimizer_state,
 )
+from fxpipe.distributed.rank.generate import Generates
 from fxpipe.distributed.rank.gradients import sum_tied_gradients
 from fxpipe.distributed.rank.shapes import Metas, StageShapes, meta_like, tensors
 from fxpipe.distributed.rank.stage import Stage, StageModule, taken_metas
@@ -35,13 +36,10 @@ from fxpipe.distributed.rank.step_shapes import StepShapes
 from fxpipe.distributed.rank.strides import Strides
 from fxpipe.distributed.rank.tied_guard import TiedGuard
 from fxpipe.errors import ConfigError
-from fxpipe.generation.driver import GenerationRun
-from fxpipe.generation.ranks import RankGenerator
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.options import CompileOptions
 from fxpipe.passes.tensor.records import TensorPlan
 from fxpipe.runtime.compiled import StageCompilation, compile_stages
-from fxpipe.runtime.recording import NO_RECORDER
 from fxpipe.runtime.variants import modes_of
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.binding import InputBinder
@@ -49,7 +47,7 @@ from fxpipe.trace.binding import InputBinder
 __all__ = ["DistributedPipeline"]
 
 
-class DistributedPipeline:
+class DistributedPipeline(Generates):
     """This rank's part of a pipeline, made by :func:`fxpipe.distributed.pipeline_schedule`.
 
     - ``schedule``: the torch schedule; ``schedule.step(x, target=y, losses=losses)`` on
@@ -102,7 +100,6 @@ class DistributedPipeline:
         self.is_last = self.num_stages - 1 in self.stage_indices
         self._leaves, self._spec = program.output_leaves, program.output_spec
         self._model, self._program, self._ranks = model, program, ranks
-        self._generator: RankGenerator | None = None
         self._own = Ownership(model, program, ranks, self.rank, whole)
         roots = [model, plan.graph_module, *program.modules]
         self._own.place(device, roots)
@@ -363,45 +360,6 @@ class DistributedPipeline:
         the last stage's rank (None elsewhere)."""
         out = self.schedule.step(*args, target=target, losses=losses, **kwargs)
         return None if out is None else self.unflatten_output(out)
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """``model.generate(...)`` through this pipeline's processes, each stage with its own
-        layers' key/value cache and ``lanes`` groups of sequences in flight (see
-        :mod:`fxpipe.generation.ranks`). Call it on every rank of the pipeline (each
-        replica's ranks under a mesh) with the same arguments; the prompts are read on the
-        first stage's rank, and every rank returns the generated sequences. One stage per
-        rank, without tensor parallelism or FSDP (ConfigError naming the remedy)."""
-        if self._generator is None:
-            self._generator = self._make_generator()
-        return self._generator.run(args, kwargs, NO_RECORDER)
-
-    @property
-    def last_generation(self) -> GenerationRun | None:
-        """What the last :meth:`generate` ran (lanes, groups, cache bytes per stage)."""
-        return None if self._generator is None else self._generator.last
-
-    def _make_generator(self) -> RankGenerator:
-        """This rank's generator, once what it cannot run is refused."""
-        refused = (
-            (self.tensor_plan is not None, "tensor parallelism (the step is traced whole)"),
-            (self.layout.replaces_parameters, f"data_parallel={self.options.data_parallel!r} "
-             "(its Parameters are sharded DTensors)"),
-            (len(self.stage_indices) > 1, f"{len(self.stage_indices)} stages per rank"),
-        )  # fmt: skip
-        for found, what in refused:
-            if found:
-                raise ConfigError(
-                    f"generate() on a distributed pipeline with {what} is not run: build the "
-                    "pipeline for generation with one stage per rank (stages_per_rank=1), "
-                    "tensor_parallel=None and data_parallel='ddp'"
-                )
-        ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r
-                 for r in self._ranks]  # fmt: skip
-        return RankGenerator(
-            self._model, self.plan, self._program, group=self.group, peers=ranks,
-            stage=self.stage_indices[0], device=self.device,
-            comm=comm_device(self.group, self.device),
-        )  # fmt: skip
 
 
 def _sized_steps(cls: type[Any]) -> type[Any]:
