@@ -33,7 +33,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.generation.cache import CacheLayout, error_line, step_cache
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.model_state import preserved
-from fxpipe.passes.partition.cost_graph import to_networkx
+from fxpipe.passes.partition.cost_graph import REPLICATED, replicate_shared_weights, to_networkx
 from fxpipe.passes.partition.search import Partition
 from fxpipe.passes.price.estimate import ValueDependentError, borrowed_costs, estimate_costs
 from fxpipe.passes.split.codegen import split_stages
@@ -143,6 +143,8 @@ def trace_step(
     gm = _flat(unlifted)
     if place is None:
         fill_meta_constants(gm, [leader.graph_module], model)
+    if any(n.meta.get(REPLICATED, False) for n in leader.graph_module.graph.nodes):
+        replicate_shared_weights(gm)  # each process holds its copy: no weight is ever sent
     example_values = tuple(chain(example[:4], example[4]))
     try:
         costs = estimate_costs(gm, example_values, mode="roofline", device=leader.devices[0])

@@ -62,7 +62,19 @@ def _job(
             got["after, lanes=auto"] = pipe.generate(ids, attention_mask=mask, max_new_tokens=6)
     run = pipe.last_generation
     assert run is not None
-    return {"want": want, "got": got, "lanes": run.lanes, "cache": run.cache_bytes}
+    return {"want": want, "got": got, "lanes": run.lanes, "cache": run.cache_bytes,
+            "sent weights": _sent_weights(pipe)}  # fmt: skip
+
+
+def _sent_weights(pipe: Any) -> list[str]:
+    """The weights (get_attr nodes of the step's graph) among the values a process hands
+    on: a tied weight's copies are each process's own, never sent."""
+    generator = pipe._generator
+    out = []
+    for variant in generator.variants:
+        weights = {n.name for n in variant.plan.graph_module.graph.nodes if n.op == "get_attr"}
+        out += [name for live in generator.live(variant) for name in live if name in weights]
+    return out
 
 
 @pytest.mark.parametrize(
@@ -70,8 +82,9 @@ def _job(
     [
         ("llama", 2, 2, (1, 2), True, 1),
         ("qwen2", 3, 3, (3,), False, 1),  # a middle process hands steps on
+        ("gpt2", 4, 2, (2,), False, 2),  # tied weights, replicas with their own prompts
     ],
-    ids=["llama-2-ranks", "qwen2-3-ranks"],
+    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2-mesh"],
 )
 def test_every_rank_returns_the_model_own_tokens(
     tmp_path: Path, name: str, world: int, layers: int, lanes: tuple[int, ...], full: bool,
@@ -91,6 +104,7 @@ def test_every_rank_returns_the_model_own_tokens(
         assert len(got) == len(lanes) + (3 if full else 0), (rank, sorted(got))
         if full:  # the last call's lanes="auto": 6 rows are too few for two lanes of 4
             assert run["lanes"] == 1, run
+        assert run["sent weights"] == [], (rank, run["sent weights"])
         assert len(run["cache"]) == world // dp and all(b > 0 for b in run["cache"]), run
 
 
