@@ -36,6 +36,7 @@ from fxpipe.distributed.parallel.mesh import check_sharding, comm_device, mesh_l
 from fxpipe.distributed.planning.agreement import MeasuredCost, check_agreement, measured_costs
 from fxpipe.distributed.planning.auto import AUTO, choose_schedule
 from fxpipe.distributed.planning.tensor_parallel import plan_tensor_parallel, rank_costs
+from fxpipe.distributed.rank.asynchronous import batch_statistics
 from fxpipe.distributed.rank.runner import DistributedPipeline
 from fxpipe.distributed.rank.shapes import Metas, example_shapes, meta_like, tensors
 from fxpipe.distributed.rank.step_shapes import StepShapes
@@ -44,7 +45,7 @@ from fxpipe.ir import CostMode, StageProgram, TracerName
 from fxpipe.options import CompileChoice, PlanOptions
 from fxpipe.passes.tensor.given import GivenPlan
 from fxpipe.passes.tensor.sequence import SequenceChoice
-from fxpipe.trace.batch_checks import BatchStatistics, check_micro_batches
+from fxpipe.trace.batch_checks import check_micro_batches
 
 __all__ = ["pipeline_schedule", "SCHEDULES", "check_weight_part"]
 
@@ -70,6 +71,8 @@ def pipeline_schedule(
     compile: CompileChoice = False,
     tensor_parallel: Any = None,
     sequence_parallel: SequenceChoice = "auto",
+    staleness: str = "stash",
+    step_every: int | None = None,
 ) -> DistributedPipeline:
     """Plan ``model`` into ``world_size * stages_per_rank`` stages; build this rank's part.
 
@@ -147,6 +150,14 @@ def pipeline_schedule(
     than the all-reduces it replaces, and one stage output), wherever it can (True), or
     nowhere (False) (:mod:`fxpipe.passes.tensor.sequence`).
 
+    ``schedule="Async1F1B"`` (or ``"async"``): fxpipe's asynchronous pipeline, 1F1B with no
+    flush between steps, each stage updating its own weights every ``step_every``
+    micro-batches with the optimizer given to ``pipe.schedule.attach``; ``staleness``:
+    ``"stash"`` (a micro-batch's backward meets the weights its forward ran with),
+    ``"predict"`` (both run with the weights the stage's optimizer is predicted to reach by
+    the backward) or ``"none"`` (the backward recomputes the forward with the weights of its
+    time). See :mod:`fxpipe.distributed.rank.asynchronous` for the rule and what it refuses.
+
     Every option is checked on every rank before any communication; a collective then
     checks that all ranks made the same plan (with ``cost="time"``, after the broadcast).
     """
@@ -166,6 +177,8 @@ def pipeline_schedule(
         compile=compile,
         tensor_parallel=tensor_parallel,
         sequence_parallel=sequence_parallel,
+        staleness=staleness,
+        step_every=step_every,
     )
     example = example_input if isinstance(example_input, tuple) else (example_input,)
     return _build(
@@ -227,7 +240,8 @@ def _build(
     ranks = stage_ranks(world, total, v_shaped=options.schedule in V_SHAPED)
     whole = check_sharding(layout, program.modules, ranks)  # what FSDP leaves unsharded
     agreed = (options.schedule, options.n_microbatches, options.stages_per_rank)
-    config = (*agreed, options.scale_grads, options.data_parallel, _shapes(values))
+    config = (*agreed, options.scale_grads, options.data_parallel, options.staleness,
+              options.step_every, _shapes(values))  # fmt: skip
     check_agreement(plan, program, config, group, target)
     if layout.dp_group is not None:  # and every replica alike
         check_agreement(plan, program, config, layout.dp_group, target)
@@ -251,7 +265,7 @@ def _build(
         target,
         options,
         loss_fn=loss_fn,
-        statistics=BatchStatistics.of(compiled.traced, option="n_microbatches"),
+        statistics=batch_statistics(compiled.traced, options.schedule),
         step_shapes=sizes,
         whole=whole,
         tensor_plan=cut,

@@ -41,6 +41,8 @@ __all__ = [
     "SPLIT_BACKWARD",
     "DATA_PARALLEL",
     "TENSOR_PARALLEL",
+    "ASYNC",
+    "STALENESS",
     "stage_ranks",
     "rounds",
     "micro_batch_problem",
@@ -69,10 +71,16 @@ INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 #: not follow them (its all-reduce misses the weight parts: wrong gradients, no error);
 #: FSDP2's reduce-scatter runs once the schedule has run every weight part.
 SPLIT_BACKWARD = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+#: The asynchronous schedule (fxpipe's own, not torch's: 1F1B with no flush between steps,
+#: each stage updating its weights itself; :mod:`fxpipe.distributed.rank.asynchronous`), and
+#: the other name it is taken by.
+ASYNC, _ASYNC_ALIAS = "async1f1b", "async"
+#: ``staleness=`` values under it: weight stashing, weight prediction, none (recomputation).
+STALENESS = ("stash", "predict", "none")
 #: ``data_parallel=`` values: torch's DDP, or FSDP2's ``fully_shard``, over the ``"dp"`` group.
 DATA_PARALLEL = ("ddp", "fsdp")
 
-_NAMES = {s.lower() for s in SCHEDULES}
+_NAMES = {s.lower() for s in SCHEDULES} | {ASYNC, _ASYNC_ALIAS}
 _Checked = TypeVar("_Checked")
 
 
@@ -119,6 +127,12 @@ class ScheduleOptions:
     #: products held cut along the sequence where that pays (``"auto"``), wherever it can
     #: (True) or nowhere (False): :mod:`fxpipe.passes.tensor.sequence`.
     sequence_parallel: SequenceChoice = "auto"
+    #: Under ``schedule="async1f1b"``: how a stage's backward meets the weights its forward
+    #: ran with (one of :data:`STALENESS`).
+    staleness: str = "stash"
+    #: Under ``schedule="async1f1b"``: each stage updates its weights after this many
+    #: micro-batches' backwards (None: ``n_microbatches``, one update per step's worth).
+    step_every: int | None = None
 
     def __post_init__(self) -> None:
         kind = check_schedule("schedule", self.schedule)
@@ -135,6 +149,7 @@ class ScheduleOptions:
             why = " (or None: the pipeline ranks x stages_per_rank)"
             check_count("num_stages", self.num_stages, why=why)
         object.__setattr__(self, "schedule", kind)
+        _check_async(self)
         compiled = CompileOptions.of(self.compile)
         object.__setattr__(self, "compile", compiled)
         if compiled is not None and kind in SPLIT_BACKWARD:
@@ -271,7 +286,8 @@ def _check_sequence_parallel(value: object, tensor_parallel: object) -> None:
 def _check_placement(schedule: object, kind: str, stages_per_rank: int) -> None:
     """ConfigError unless the schedule ``kind`` (``schedule`` as the caller spelled it) runs
     ``stages_per_rank`` stages on each rank."""
-    if issubclass(get_schedule_class(kind), PipelineScheduleSingle) and stages_per_rank != 1:
+    single = kind == ASYNC or issubclass(get_schedule_class(kind), PipelineScheduleSingle)
+    if single and stages_per_rank != 1:
         raise ConfigError(
             f"schedule={schedule!r} runs one stage per rank but stages_per_rank="
             f"{stages_per_rank}; pass stages_per_rank=1, or use a schedule for several "
@@ -293,11 +309,55 @@ def _check_placement(schedule: object, kind: str, stages_per_rank: int) -> None:
 
 def check_schedule(name: str, value: object) -> str:
     """The lower-case name of schedule ``value``; ConfigError unless it is one of
-    :data:`SCHEDULES` (in any case)."""
+    :data:`SCHEDULES` or :data:`ASYNC` (in any case; ``"async"`` is :data:`ASYNC`)."""
     kind = str(value).lower()
     if kind not in _NAMES:
-        raise ConfigError(f"{name}={value!r} is not one of {SCHEDULES}; pick one of them")
-    return kind
+        raise ConfigError(
+            f"{name}={value!r} is not one of {(*SCHEDULES, 'Async1F1B')}; pick one of them"
+        )
+    return ASYNC if kind == _ASYNC_ALIAS else kind
+
+
+def _check_async(options: ScheduleOptions) -> None:
+    """ConfigError for ``staleness`` or ``step_every`` that are not valid, or given without
+    the asynchronous schedule, and for what that schedule does not run with."""
+    check_choice("staleness", options.staleness, STALENESS)
+    if options.step_every is not None:
+        check_count("step_every", options.step_every, why=" (or None: n_microbatches)")
+    if options.schedule != ASYNC:
+        if options.staleness != "stash" or options.step_every is not None:
+            raise ConfigError(
+                f"staleness= and step_every= set how schedule='Async1F1B' updates its "
+                f"weights, but schedule={options.schedule!r} flushes every step and leaves "
+                "the update to your optimizer; drop them, or pass schedule='Async1F1B'"
+            )
+        return
+    refused = {
+        "scale_grads=True": (
+            options.scale_grads,
+            "each stage updates after step_every micro-batches, not after a step's; pass "
+            "scale_grads=False (the gradients are the sums over the micro-batches of an "
+            "update; divide the loss by step_every for their mean)",
+        ),
+        f"compile={options.compile!r}": (
+            options.compile not in (False, None),
+            "its stages run under weight versions (torch.func.functional_call); pass "
+            "compile=False",
+        ),
+        f"tensor_parallel={options.tensor_parallel!r}": (
+            options.tensor_parallel is not None,
+            "pass tensor_parallel=None",
+        ),
+        "data_parallel='fsdp'": (
+            options.data_parallel == "fsdp",
+            "FSDP gathers and frees a stage's weights each step, which the stashed weight "
+            "versions would outlive; pass data_parallel='ddp' (each stage's update then "
+            "averages its replicas' gradients)",
+        ),
+    }
+    for what, (bad, remedy) in refused.items():
+        if bad:
+            raise ConfigError(f"schedule='Async1F1B' does not run with {what}: {remedy}")
 
 
 def check_data_parallel(name: str, value: object) -> str:

@@ -17,11 +17,12 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.utils._pytree import tree_unflatten
 
-from fxpipe.distributed.options import SPLIT_BACKWARD, ScheduleOptions
+from fxpipe.distributed.options import ASYNC, SPLIT_BACKWARD, ScheduleOptions
 from fxpipe.distributed.parallel.mesh import Layout
 from fxpipe.distributed.parallel.ownership import Ownership, full_tensor, merge_state_dicts
 from fxpipe.distributed.planning.auto import ScheduleChoice
 from fxpipe.distributed.planning.tensor_parallel import cut_dims, parallelize_stages
+from fxpipe.distributed.rank.asynchronous import AsyncSchedule
 from fxpipe.distributed.rank.checkpoint import (
     load_state,
     optimizer_state,
@@ -30,6 +31,7 @@ from fxpipe.distributed.rank.checkpoint import (
 )
 from fxpipe.distributed.rank.generate import Generates
 from fxpipe.distributed.rank.gradients import sum_tied_gradients
+from fxpipe.distributed.rank.losses import StructuredLoss
 from fxpipe.distributed.rank.shapes import Metas, StageShapes, meta_like, tensors
 from fxpipe.distributed.rank.stage import Stage, StageModule, taken_metas
 from fxpipe.distributed.rank.step_shapes import StepShapes
@@ -129,10 +131,13 @@ class DistributedPipeline(Generates):
         if self.layout.replaces_parameters:  # fully_shard or replicate put DTensor Parameters
             sharded = {id(old): getattr(module, name) for module, name, old in slots}
             self._own.adopt(sharded, [model, plan.graph_module, *program.modules])
-        # scale_grads divides each micro-batch loss's gradient (see _MeanLoss), not the
+        # scale_grads divides each micro-batch loss's gradient (see losses.MeanLoss), not the
         # gradients at the end of the step as torch does (scale_grads=False to torch)
         scale = n_microbatches if options.scale_grads else 1
-        loss = None if loss_fn is None else _StructuredLoss(loss_fn, self.unflatten_output, scale)
+        loss = None if loss_fn is None else StructuredLoss(loss_fn, self.unflatten_output, scale)
+        if options.schedule == ASYNC:  # fxpipe's own, no torch schedule class
+            self.schedule: Any = AsyncSchedule(self, loss)
+            return
         cls = _sized_steps(get_schedule_class(options.schedule))
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(
@@ -170,8 +175,11 @@ class DistributedPipeline(Generates):
         module = StageModule(self._programs[j], binder, take, copies, layouts)
         module.no_views = self.layout.replaces_parameters
         whole = [p for p in module.parameters() if id(p) in self._whole]
+        wrapped: nn.Module = module  # the asynchronous schedule averages replicas itself
+        if self.options.schedule != ASYNC:
+            wrapped = self.layout.wrap(module, self.device, whole, find_unused=self._idle[j])
         stage = Stage(
-            self.layout.wrap(module, self.device, whole, find_unused=self._idle[j]),
+            wrapped,
             j,
             self.num_stages,
             self.device,
@@ -289,6 +297,13 @@ class DistributedPipeline(Generates):
             self.load_optimizer_state_dict(optimizer, state["optim"])
 
     def _checkpoint_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        if isinstance(self.schedule, AsyncSchedule) and self.schedule.unflushed:
+            raise ConfigError(
+                f"{self.schedule.unflushed} micro-batch(es) entered the asynchronous "
+                "pipeline since its last flush, and some are still in flight: their "
+                "gradients and weight versions would be in no checkpoint; call "
+                "pipe.schedule.flush() on every rank first"
+            )
         state: dict[str, Any] = {"model": self.state_dict()}
         if optimizer is not None:
             state["optim"] = self.optimizer_state_dict(optimizer)
@@ -390,38 +405,3 @@ def _parameter_slots(modules: Any) -> list[tuple[nn.Module, str, torch.Tensor]]:
                 seen.add(id(module))
                 slots += [(module, n, p) for n, p in module._parameters.items() if p is not None]
     return slots
-
-
-class _StructuredLoss:
-    """``loss_fn`` called on the model's own output structure rather than torch's flat one;
-    with ``scale`` > 1, its gradient divided by ``scale`` (:class:`_MeanLoss`)."""
-
-    def __init__(
-        self, loss_fn: Callable[..., torch.Tensor], rebuild: Callable[[Any], Any], scale: int = 1
-    ) -> None:
-        self.loss_fn, self.rebuild, self.scale = loss_fn, rebuild, scale
-
-    def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
-        loss = self.loss_fn(self.rebuild(output), target, **kwargs)
-        if self.scale == 1:
-            return loss
-        out: torch.Tensor = _MeanLoss.apply(loss, self.scale)  # type: ignore[no-untyped-call]
-        return out
-
-
-class _MeanLoss(torch.autograd.Function):
-    """A micro-batch's loss, its value as it is, its gradient divided by the number of
-    micro-batches (``scale_grads=True``): each step adds the mean of its micro-batches'
-    gradients to the Parameters'. torch divides the Parameters' whole gradients at the
-    end of each step instead, which also divides what earlier steps accumulated in them
-    (gradient accumulation over steps then gives the earlier steps too little weight), and
-    divides a Parameter two stages of a rank share once per stage."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, scale: int) -> torch.Tensor:
-        ctx.scale = scale
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad / ctx.scale, None
