@@ -34,11 +34,15 @@ Rooms (each a package with its own docstring), and the two modules at the top:
 - ``planning/``: before any rank runs: :func:`suggest_layout` and what the cost model
   predicts for each layout (``layout``, ``priced``, ``estimate``, ``table``,
   ``tensor_costs``), ``"auto"`` schedules (``auto``), the tensor-parallel plan
-  (``tensor_parallel``), and what building communicates (``agreement``: the costs group
+  (``tensor_parallel``), the asynchronous schedule's staleness and weight versions per
+  stage (``staleness``), and what building communicates (``agreement``: the costs group
   rank 0 measures for ``cost="time"``, and the all-gather that checks every rank planned
   alike).
 - ``rank/``: one rank's runtime: :class:`DistributedPipeline` (``runner``), a stage as
-  torch's schedules run it (``stage``), each stage's and each step's shapes (``shapes``,
+  torch's schedules run it (``stage``), the loss on the model's own output structure
+  (``losses``), fxpipe's asynchronous schedule ``"Async1F1B"`` (``asynchronous``: no flush,
+  each stage updating its own weights) and the weight versions its micro-batches run with
+  (``versions``), each stage's and each step's shapes (``shapes``,
   ``step_shapes``), boundary values in eager's memory layout (``strides``), the weight part
   of a zero-bubble backward (``split_backward``), the gradients of Parameters held on
   several ranks and the guard against an update without their sum (``gradients``,
