@@ -243,6 +243,70 @@ def test_a_mesh_averages_its_replicas_at_each_update(tmp_path: Path) -> None:
                 )
 
 
+class _Recorded(torch.optim.SGD):
+    """SGD that keeps the gradients each of its steps applied (by Parameter)."""
+
+    def step(self, closure: Any = None) -> Any:
+        self.applied = [
+            {id(p): p.grad.clone() for p in g["params"] if p.grad is not None}
+            for g in self.param_groups
+        ][0]
+        return super().step(closure)
+
+
+def _hf_gradients(rank: int, world: int) -> dict[str, Any]:
+    """A Hugging Face Llama (keyword mask, a padded row) in float32 and bfloat16 through the
+    asynchronous schedule, every stage updating once, at the flush: the gradient each
+    Parameter's update applied."""
+    from tests.distributed.test_build_hf import _batch, _build
+    from tests.distributed.test_build_hf import _loss as lm_loss
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ids, kwargs, target = _batch()
+        pipe = fd.pipeline_schedule(
+            _build("llama").to(dtype), ids, example_kwargs=kwargs, n_microbatches=N_MB,
+            loss_fn=lm_loss, schedule="async", scale_grads=False, step_every=100,
+        )  # fmt: skip
+        opt = _Recorded(pipe.parameters(), lr=0.1)
+        pipe.schedule.attach(opt)
+        if pipe.is_first:
+            pipe.schedule.step(ids, **kwargs)
+        else:
+            pipe.schedule.step(target=target, losses=[])
+        pipe.schedule.flush()
+        out[str(dtype)] = {k: opt.applied[id(p)] for k, p in pipe.named_parameters()}
+    return out
+
+
+def test_a_hugging_face_model_in_float32_and_bfloat16_is_no_further_than_eager(
+    tmp_path: Path,
+) -> None:
+    from oracle import no_further_than_eager
+
+    from tests.distributed.test_build_hf import _batch, _build
+    from tests.distributed.test_build_hf import _loss as lm_loss
+
+    runs = results(launch(_hf_gradients, 2, tmp_path))
+
+    def eager(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        model = _build("llama").to(dtype)
+        ids, kwargs, target = _batch()
+        lm_loss(model(ids, **kwargs), target).backward()
+        return {k: p.grad for k, p in model.named_parameters()}
+
+    exact = eager(torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = eager(dtype)
+        seen = set()
+        for run in runs:
+            for key, grad in run[str(dtype)].items():
+                ok, ours, their = no_further_than_eager(grad, theirs[key], exact[key])
+                assert ok, (dtype, key, ours, their)
+                seen.add(key)
+        assert seen == set(exact), sorted(set(exact) - seen)
+
+
 def _resume(rank: int, world: int, *, folder: str) -> dict[str, Any]:
     """Two steps, a flush, a checkpoint (refused before the flush), two more steps; and a
     second pipeline loaded from the checkpoint running the same two steps."""
