@@ -18,7 +18,7 @@ from torch import nn
 
 import fxpipe.distributed as fd
 from fxpipe.distributed.options import ScheduleOptions
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, FxPipeError
 from tests.distributed.rank.async_oracle import simulate
 from tests.distributed.ranks import launch, preload, results
 
@@ -359,11 +359,24 @@ def _resume(rank: int, world: int, *, folder: str) -> dict[str, Any]:
     torch.set_rng_state(state)
     run(again, range(2, 4), opt2)
     again.schedule.flush()
+    resumed = {n: p.detach().clone() for n, p in again.named_parameters()}
+    wrong = torch.zeros(3, WIDTH, dtype=torch.float64)  # 3 rows: not the example's
+    try:  # refused by the first rank, which tells the next: raised on both
+        if again.is_first:
+            again.schedule.step(wrong)
+        else:
+            again.schedule.step(target=wrong, losses=[])
+        bad = ""
+    except FxPipeError as e:
+        bad = str(e)
+    run(again, range(1), opt2)  # the stream goes on
+    again.schedule.flush()
     return {
+        "bad batch": bad,
         "refused": refused,
         "batch norm": batch_norm,
         "straight": {n: p.detach() for n, p in pipe.named_parameters()},
-        "resumed": {n: p.detach() for n, p in again.named_parameters()},
+        "resumed": resumed,
     }
 
 
@@ -371,6 +384,7 @@ def test_a_resumed_run_equals_the_run_without_the_break(tmp_path: Path) -> None:
     for rank, run in enumerate(results(launch(_resume, 2, tmp_path, folder=str(tmp_path)))):
         assert "flush()" in run["refused"], (rank, run["refused"])  # on every rank
         assert "GroupNorm" in run["batch norm"], (rank, run["batch norm"])
+        assert ("rows" if rank == 0 else "first rank refused") in run["bad batch"], run
         for name, value in run["straight"].items():
             torch.testing.assert_close(run["resumed"][name], value, rtol=0, atol=0)
 
