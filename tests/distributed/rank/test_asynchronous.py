@@ -3,8 +3,10 @@ simulation of its update rule written apart from it (``async_oracle.simulate``):
 pipelined run's final weights and losses equal the simulation's in float64 for each
 staleness mitigation, on 2 and 3 ranks, with a tied weight, dropout, an update every one
 and every two micro-batches, a flush in the middle, SGD with momentum, AdamW with a
-learning-rate scheduler and clipping. A run resumed from a checkpoint equals the run
-without the break; what does not compose is refused."""
+learning-rate scheduler and clipping, and on a 2 x 2 mesh. A Hugging Face Llama in float32
+and bfloat16 is no further from float64 than eager. A run resumed from a checkpoint equals
+the run without the break; a refused batch is refused on every rank; what does not compose
+is refused."""
 
 from __future__ import annotations
 
