@@ -15,50 +15,65 @@ stops with a message saying so when scikit-learn is missing.
 
 The data: the digits, standardized (each pixel by the training split's mean and deviation),
 a fixed validation split of 30% (seed 0). The model: an MLP of float32, 64 -> 1024 -> 1024 ->
-1024 -> 1024 -> 1024 -> 5 with GELU (4.2 M parameters), which fxpipe splits into 2 stages of
+1024 -> 1024 -> 1024 -> 5 with GELU (4.3 M parameters), which fxpipe splits into 2 stages of
 about 2.1 M each (a micro-batch of 16 rows: about 7 ms of forward and backward per stage on
-one core). It is pre-trained once, in this process (eager, one thread, seed 0, 5 epochs of
-SGD), on classes 0-4; every run starts from those weights.
+one core, the activation sent 64 KiB). It is pre-trained once, in this process (eager, one
+thread, seed 0, 5 epochs of SGD), on classes 0-4; every run starts from those weights.
+
+Every pipeline runs on 2 fresh processes (gloo on loopback, one torch thread each, one
+stage each), built by ``fxpipe.distributed.pipeline_schedule`` with ``scale_grads=False``
+and a loss of the micro-batch's mean cross-entropy over M (the gradients of a batch's
+mean, whichever the schedule); SGD with momentum 0.9 over ``pipe.parameters()``. The
+synchronous ones run the torch way (``schedule.step``, ``sync_tied_gradients``,
+``opt.step``, ``opt.zero_grad``), the asynchronous one with ``step_every=M`` and its
+optimizer given to ``schedule.attach`` (an update each batch's worth of micro-batches, as
+the synchronous ones).
 
 1. Fine-tuning on classes 5-9, relabelled 0-4 (the 5-way head re-initialized from the
-   run's seed): batches of 32 rows, M = 2 micro-batches of 16 (each update one batch;
-   ``scale_grads=False``, the loss the micro-batch's mean cross-entropy over M, so that
-   the gradients are the batch's mean's), SGD with momentum 0.9 and the same learning
-   rate, the same epochs (the seed sets the head and the data order, each epoch a fresh
-   permutation, its last partial batch left out) for: synchronous GPipe and 1F1B (the
-   torch way: ``schedule.step``, ``sync_tied_gradients``, ``opt.step``), and the
-   asynchronous schedule with each staleness mitigation ("stash", "predict", "none"),
-   ``step_every=M``, its optimizer given to ``schedule.attach``. For each seed, the 5
-   configurations run in one pair of processes (gloo on loopback, one torch thread each),
-   one epoch each in turn (the order turned every epoch, so a slow spell of a shared machine
-   falls on all of them). An epoch's wall time runs from a barrier to a barrier after its
-   last step (after ``flush()`` for the asynchronous runs: what a user calls before
-   evaluating); the state dict is then gathered and rank 0 measures the validation
-   accuracy with the eager model, outside the time.
-   The table: each configuration's final accuracy (mean and least over seeds), its
-   training time, its time to reach GPipe's final accuracy less 0.5 points in the same seed
-   (the first epoch of its curve at or above; "never" if none), and that time over GPipe's
-   time to its own final accuracy (its curve's first epoch at or above it). Target: the
-   asynchronous pipeline with its best mitigation reaches it in every seed, in <= 0.85x
-   (the mean over seeds of the ratio).
+   run's seed): batches of 32 rows, M = 2 micro-batches of 16, learning rate 0.02, 12
+   epochs (19 updates each; the seed sets the head and the data order, each epoch a fresh
+   permutation, its last partial batch left out), for synchronous GPipe and 1F1B and the
+   asynchronous schedule with each staleness mitigation ("stash", "predict", "none"). For
+   each seed the 5 configurations run in one pair of processes, one epoch each in turn (the
+   order turned every epoch, so that a slow spell of a shared machine falls on all). An
+   epoch's wall time runs from a barrier to a barrier after its last step (after
+   ``flush()`` for the asynchronous runs, which a user calls before evaluating); the state
+   dict is then gathered and rank 0 measures the validation accuracy with the eager model,
+   outside the time. Columns: the final accuracy (mean and least over seeds); the median
+   epoch time, and its ratio to GPipe's epoch in the same turn (the median over seeds and
+   epochs); the training time; the time to reach GPipe's final accuracy less 0.5 points in
+   the same seed (the first epoch of the curve at or above it; "never" if none; the mean
+   over the seeds that reach it); "ratio", that time over GPipe's time to its own final
+   accuracy (the target's measure as set: <= 0.85x for the best mitigation, reached in
+   every seed, the mean over seeds; GPipe's own row shows how much the 0.5 points give);
+   "same level", that time over GPipe's time to the same level (like for like), with the
+   same target; each with its worst seed. Under the table: both processes' CPU seconds an
+   epoch over GPipe's in the same turn (the median over seeds and epochs).
 2. Steady-state step time for M = 2, 4, 8, 16 micro-batches of 16 rows (batches of 16 M
    rows): GPipe, 1F1B and the asynchronous schedule ("stash") on one pair of processes,
-   rounds of each in turn (the order turned every round); a round is a few steps of warm-up
-   and then timed steps one after another with nothing between them (the optimizer's step
-   after each synchronous one), its time the median interval between rank 0's step returns;
-   a figure is the median over rounds, a ratio the median of the rounds' ratios. Beside
-   async / GPipe and async / 1F1B: the bubble bound M / (M + K - 1) (K = 2 stages: the
-   synchronous schedules' busy fraction, the least the ratio can be when the bubble is all
-   they lose), and the machine's: M / (M + b - 1), where b is what two single-thread
-   processes running the same stage forward and backward at once get done over one alone
-   (measured in the same run, 3 times, the median), the same reasoning with two processes
-   at once running at b / 2 of one alone's speed.
+   rounds of each in turn (the order turned every round); a round is 2 steps of warm-up,
+   then 64 / M (at least 4) steps one after another with nothing between them (the
+   optimizer's step after each synchronous one), its time per step their span on rank 0
+   over their number; a figure is the median over rounds, a ratio the median of the rounds'
+   ratios. "CPU": both processes' CPU seconds a step. Beside async / GPipe and async / 1F1B:
+   the bubble bound M / (M + K - 1) (K = 2 stages: the synchronous schedules' busy
+   fraction, the least the ratio can be when the bubble is all they lose), and the
+   machine's, M / (M + b - 1), the same reasoning with two processes at once each running
+   at b / 2 of one alone's speed.
 3. The crossover: the least M at which GPipe's step time comes within 5% of the
    asynchronous one's.
 
-The whole run takes about 12 minutes on 2 cores; ``--quick`` (one seed, 6 epochs, M in 2 and
-4, fewer rounds) about 3. The table and ``benchmarks/results/async_pipeline.json`` hold every
-row, every seed's per-epoch curves, the command, the commit and the machine.
+The bound b: what the two rank processes get done running one stage's forward and backward
+(the same layers, 16 rows) at once, over one alone (the other waiting in a barrier, which
+does not spin), measured after every fine-tuning epoch and every step-time round: the same
+processes, in the same minutes, as the figures it bounds (the medians are printed; a b
+under 2 is the machine's: its caches and memory shared, or other work on its cores).
+
+The whole run takes about 10 minutes on 2 cores; ``--quick`` (one seed, 10 epochs, M in 2 and
+4, 8 rounds) about 2. The tables and ``benchmarks/results/async_pipeline.json`` hold every
+row, every seed's per-epoch curves, times, training losses and bounds, the command, the
+commit and the machine. A rank's error comes back with its traceback; a rank that waits
+more than 300 s for the other fails (a hang shows as an error).
 """
 
 from __future__ import annotations
@@ -332,7 +347,7 @@ def _pair_bound(rank: int, work: _Work, count: int = BOUND_COUNT) -> dict[str, f
 def _finetune(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Every configuration's fine-tuning for one seed, an epoch of each in turn. Rank 0:
     each epoch's seconds and validation accuracy; rank 1: each epoch's mean training
-    loss."""
+    loss; both: each epoch's CPU seconds."""
     import torch.distributed as dist
 
     seed, epochs, m = spec["seed"], spec["epochs"], FINETUNE_M
@@ -343,6 +358,7 @@ def _finetune(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     runs = {n: _Run(s, st, m, seed, spec["weights"]) for n, s, st in CONFIGS}
     evaluator, work, bounds = _mlp(), _Work(), []
     seconds: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     accuracy: dict[str, list[float]] = {n: [] for n in names}
     loss: dict[str, list[float]] = {n: [] for n in names}
 
@@ -360,26 +376,28 @@ def _finetune(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         for name in names[turn:] + names[:turn]:
             run, losses = runs[name], list[float]()
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for idx in batches:
                 run.step(xs[idx], ys[idx], losses)
             run.flush()
             dist.barrier()
             seconds[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
             if losses:
                 loss[name].append(sum(losses) * m / len(losses))
             evaluate(name)
         bounds.append(_pair_bound(rank, work))
     summaries = {n: r.pipe.schedule.summary() for n, r in runs.items() if r.asynchronous}
     if rank == 0:
-        return {"seconds": seconds, "accuracy": accuracy, "summaries": summaries,
+        return {"seconds": seconds, "accuracy": accuracy, "summaries": summaries, "cpu": cpu,
                 "steps_per_epoch": len(xs) // (m * ROWS), "bounds": bounds}  # fmt: skip
-    return {"loss": loss, "summaries": summaries}
+    return {"loss": loss, "summaries": summaries, "cpu": cpu}
 
 
 def _step_times(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Rank's median interval between step returns, per round, of GPipe, 1F1B and the
-    asynchronous schedule ("stash") at each M."""
+    """Seconds a step on this rank (its timed steps' span over their number), and its CPU
+    seconds a step, per round, of GPipe, 1F1B and the asynchronous schedule ("stash") at
+    each M; the bound after each round."""
     import torch.distributed as dist
 
     xs, ys = _data()["train"]
@@ -392,7 +410,7 @@ def _step_times(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
             "1f1b": _Run("1f1b", None, m, 0, spec["weights"]),
             "async": _Run("Async1F1B", "stash", m, 0, spec["weights"]),
         }
-        warm, timed = 2, max(4, 32 // m)
+        warm, timed = 2, max(4, 64 // m)
         batches = _batches(len(xs), m * ROWS, 0, 0)
         rounds: dict[str, list[float]] = {n: [] for n in names}
         cpu_s: dict[str, list[float]] = {n: [] for n in names}
@@ -411,8 +429,7 @@ def _step_times(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
                     cpu.append(time.process_time())
                 run.flush()
                 dist.barrier()
-                gaps = [b - a for a, b in zip(stamps[warm - 1 :], stamps[warm:])]
-                rounds[name].append(statistics.median(gaps))
+                rounds[name].append((stamps[-1] - stamps[warm - 1]) / timed)
                 cpu_s[name].append((cpu[-1] - cpu[warm - 1]) / timed)
             bounds.append(_pair_bound(rank, work))
         out[str(m)] = {
@@ -447,49 +464,64 @@ def _first(curve: list[float], times: list[float], level: float) -> float | None
 
 
 def _finetune_rows(seeds: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The table's rows from every seed's curves, and the target's verdict."""
+    """The table's rows from every seed's curves, and the target's verdicts: as stated (a
+    configuration's time to GPipe's final accuracy less the slack over GPipe's time to its
+    own final accuracy) and like for like (over GPipe's time to the same level)."""
     per_seed = []
     for s in seeds:
         ref_curve, ref_times = s["accuracy"][REFERENCE], s["seconds"][REFERENCE]
         final = ref_curve[-1]
+        level = final - SLACK_POINTS
         ref_time = _first(ref_curve, ref_times, final)
-        assert ref_time, "GPipe's final accuracy is on its own curve, after epoch 0"
+        ref_level = _first(ref_curve, ref_times, level)
+        assert ref_time and ref_level, "GPipe's final accuracy is on its curve, after epoch 0"
         reached = {}
         for name, _, _ in CONFIGS:
-            t = _first(s["accuracy"][name], s["seconds"][name], final - SLACK_POINTS)
+            t = _first(s["accuracy"][name], s["seconds"][name], level)
             reached[name] = {
                 "time_s": t, "ratio": None if t is None else t / ref_time,
+                "same_level": None if t is None else t / ref_level,
                 "ratio_over_whole": None if t is None else t / sum(ref_times),
+                "epoch_over_reference": [a / b for a, b in zip(s["seconds"][name], ref_times)],
             }  # fmt: skip
         per_seed.append({"seed": s["seed"], "reference_final": final,
-                         "reference_time_s": ref_time, "reached": reached})  # fmt: skip
+                         "reference_time_s": ref_time, "reference_level_time_s": ref_level,
+                         "reached": reached})  # fmt: skip
     rows = []
     for name, schedule, staleness in CONFIGS:
         finals = [s["accuracy"][name][-1] for s in seeds]
-        walls = [sum(s["seconds"][name]) for s in seeds]
-        epoch_s = [t for s in seeds for t in s["seconds"][name]]
         hits = [p["reached"][name] for p in per_seed]
         times = [h["time_s"] for h in hits if h["time_s"] is not None]
         ratios = [h["ratio"] for h in hits if h["ratio"] is not None]
+        same = [h["same_level"] for h in hits if h["same_level"] is not None]
+        every = len(times) == len(seeds)
         rows.append({
             "config": name, "schedule": schedule, "staleness": staleness,
             "final_mean": statistics.mean(finals), "final_min": min(finals),
-            "epoch_s": statistics.median(epoch_s), "wall_s": statistics.mean(walls),
+            "epoch_s": statistics.median(t for s in seeds for t in s["seconds"][name]),
+            "epoch_over_reference": statistics.median(
+                r for h in hits for r in h["epoch_over_reference"]),
+            "wall_s": statistics.mean(sum(s["seconds"][name]) for s in seeds),
+            "cpu_over_reference": statistics.median(
+                a / b for s in seeds
+                for a, b in zip(s["cpu"][name], s["cpu"][REFERENCE], strict=True)),
             "reached": len(times), "seeds": len(seeds),
             "to_target_s": statistics.mean(times) if times else None,
             "ratio_mean": statistics.mean(ratios) if ratios else None,
-            "ratio_worst": max(ratios) if len(ratios) == len(seeds) else None,
+            "ratio_worst": max(ratios) if every else None,
+            "same_level_mean": statistics.mean(same) if same else None,
+            "same_level_worst": max(same) if every else None,
         })  # fmt: skip
     candidates = [r for r in rows if r["staleness"] and r["reached"] == r["seeds"]]
-    best = min(candidates, key=lambda r: r["ratio_mean"]) if candidates else None
-    verdict = {
-        "best": best["config"] if best else None,
-        "ratio_mean": best["ratio_mean"] if best else None,
-        "ratio_worst": best["ratio_worst"] if best else None,
-        "target": TARGET,
-        "pass": bool(best and best["ratio_mean"] <= TARGET),
-        "per_seed": per_seed,
-    }
+    verdict: dict[str, Any] = {"target": TARGET, "per_seed": per_seed}
+    for key in ("ratio", "same_level"):
+        best = min(candidates, key=lambda r: r[f"{key}_mean"]) if candidates else None
+        verdict[key] = {
+            "best": best["config"] if best else None,
+            "mean": best[f"{key}_mean"] if best else None,
+            "worst": best[f"{key}_worst"] if best else None,
+            "pass": bool(best and best[f"{key}_mean"] <= TARGET),
+        }
     return rows, verdict
 
 
@@ -535,15 +567,19 @@ def _ms(r: dict[str, Any], key: str) -> str:
 FINETUNE_COLUMNS = [
     ("configuration", lambda r: r["config"]),
     ("final % mean", lambda r: f"{r['final_mean']:.2f}"),
-    ("final % min", lambda r: f"{r['final_min']:.2f}"),
+    ("min", lambda r: f"{r['final_min']:.2f}"),
     ("epoch s", lambda r: f"{r['epoch_s']:.3f}"),
+    ("/GPipe", lambda r: f"{r['epoch_over_reference']:.3f}"),
     ("wall s", lambda r: f"{r['wall_s']:.2f}"),
     ("reached", lambda r: f"{r['reached']}/{r['seeds']}"),
     ("to target s", lambda r: "never" if r["to_target_s"] is None
      else f"{r['to_target_s']:.2f}"),
     ("ratio", lambda r: "-" if r["ratio_mean"] is None else f"{r['ratio_mean']:.2f}x"),
-    ("worst seed", lambda r: "never" if r["ratio_worst"] is None
-     else f"{r['ratio_worst']:.2f}x"),
+    ("worst", lambda r: "never" if r["ratio_worst"] is None else f"{r['ratio_worst']:.2f}x"),
+    ("same level", lambda r: "-" if r["same_level_mean"] is None
+     else f"{r['same_level_mean']:.2f}x"),
+    ("worst ", lambda r: "never" if r["same_level_worst"] is None
+     else f"{r['same_level_worst']:.2f}x"),
 ]  # fmt: skip
 STEP_COLUMNS = [
     ("M", lambda r: str(r["m"])),
@@ -572,7 +608,10 @@ def _measure(n_seeds: int, epochs: int, ms: list[int], rounds: int) -> dict[str,
         for seed in range(n_seeds):
             found = _run({"job": "finetune", "seed": seed, "epochs": epochs,
                           "weights": str(weights)})  # fmt: skip
-            seeds.append({"seed": seed, **found["0"], "loss": found["1"]["loss"]})
+            rank0, rank1 = found["0"], found["1"]
+            both = {n: [a + b for a, b in zip(t, rank1["cpu"][n], strict=True)]
+                    for n, t in rank0["cpu"].items()}  # fmt: skip
+            seeds.append({"seed": seed, **rank0, "cpu": both, "loss": rank1["loss"]})
             curve = ", ".join(f"{n} {found['0']['accuracy'][n][-1]:.1f}%" for n, _, _ in CONFIGS)
             print(f"seed {seed}: {curve} ({time.perf_counter() - started:.0f} s)")
         steps = _run({"job": "steps", "ms": ms, "rounds": rounds, "weights": str(weights)})
@@ -602,19 +641,24 @@ def _report(found: dict[str, Any], epochs: int, ms: list[int], rounds: int) -> d
           f"seed(s); target: {REFERENCE}'s final accuracy - {SLACK_POINTS} points in the same "
           "seed")  # fmt: skip
     print(format_table(rows, FINETUNE_COLUMNS, left=1))
+    cpus = ", ".join(f"{r['config']} {r['cpu_over_reference']:.3f}" for r in rows[1:])
+    print(f"CPU seconds an epoch (both processes) over {REFERENCE}'s in the same turn: {cpus}")
     m = FINETUNE_M
-    bounds = (f"bounds at M = {m}: the bubble {m / (m + 1):.2f}x, this machine "
-              f"{m / (m + finetune_bound - 1):.2f}x (b = {finetune_bound:.2f})")  # fmt: skip
-    if verdict["best"] is None:
-        print(f"\ntarget: no asynchronous configuration reached {REFERENCE}'s final accuracy "
-              f"- {SLACK_POINTS} in every seed: MISS (<= {TARGET}x); {bounds}")  # fmt: skip
-    else:
-        print(
-            f"\ntarget: {verdict['best']} (the best mitigation) reached {REFERENCE}'s final "
-            f"accuracy - {SLACK_POINTS} in every seed in {verdict['ratio_mean']:.2f}x its "
-            f"time to that accuracy (worst seed {verdict['ratio_worst']:.2f}x): "
-            f"{'PASS' if verdict['pass'] else 'MISS'} (<= {TARGET}x); {bounds}"
-        )
+    print(f"\nbounds at M = {m}: the bubble {m / (m + 1):.2f}x, this machine "
+          f"{m / (m + finetune_bound - 1):.2f}x (b = {finetune_bound:.2f}, below)")  # fmt: skip
+    gpipe = rows[0]
+    stated = (f"over {REFERENCE}'s time to its own final accuracy (where {REFERENCE} itself "
+              f"scores {gpipe['ratio_mean']:.2f}x)")  # fmt: skip
+    for key, label in (("ratio", stated), ("same_level", f"over {REFERENCE}'s time to it")):
+        v = verdict[key]
+        if v["best"] is None:
+            print(f"target: no asynchronous configuration reached {REFERENCE}'s final "
+                  f"accuracy - {SLACK_POINTS} in every seed: MISS (<= {TARGET}x)")  # fmt: skip
+            break
+        print(f"target, {key.replace('_', ' ')}: {v['best']} (the best mitigation) reached "
+              f"{REFERENCE}'s final accuracy - {SLACK_POINTS} in every seed in "
+              f"{v['mean']:.2f}x (worst seed {v['worst']:.2f}x) {label}: "
+              f"{'PASS' if v['pass'] else 'MISS'} (<= {TARGET}x)")  # fmt: skip
     print(f"\nsteady-state step time (async: staleness='stash'), micro-batches of {ROWS} rows, "
           f"median over {rounds} rounds; CPU: both processes' CPU seconds a step")  # fmt: skip
     print(format_table(step_rows, STEP_COLUMNS))
@@ -638,10 +682,10 @@ def _report(found: dict[str, Any], epochs: int, ms: list[int], rounds: int) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="one seed, 6 epochs, M in 2 and 4, 6 rounds")  # fmt: skip
+                        help="one seed, 10 epochs, M in 2 and 4, 8 rounds")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=5, help="fine-tuning seeds (default 5)")
     parser.add_argument("--epochs", type=int, default=12, help="fine-tuning epochs (default 12)")
-    parser.add_argument("--rounds", type=int, default=15, help="step-time rounds (default 15)")
+    parser.add_argument("--rounds", type=int, default=20, help="step-time rounds (default 20)")
     parser.add_argument("--out", default=str(result_path("async_pipeline")))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -649,8 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(_on_ranks(json.loads(args.worker))))
         return 0
-    n_seeds, epochs = (1, 6) if args.quick else (args.seeds, args.epochs)
-    ms, rounds = ([2, 4], 6) if args.quick else ([2, 4, 8, 16], args.rounds)
+    n_seeds, epochs = (1, 10) if args.quick else (args.seeds, args.epochs)
+    ms, rounds = ([2, 4], 8) if args.quick else ([2, 4, 8, 16], args.rounds)
     started, load_before = time.perf_counter(), load_average()
     found = _measure(n_seeds, epochs, ms, rounds)
     result = _report(found, epochs, ms, rounds)
@@ -659,12 +703,10 @@ def main(argv: list[str] | None = None) -> int:
         "-" if x is None else " ".join(f"{v:.1f}" for v in x) for x in (load_before, load_after)
     )
     print(f"\n{total:.0f} s; load average (1, 5, 15 min) before / after: {loads}")
-    dirty = _git("status", "--porcelain", "--untracked-files=no") or _git(
-        "ls-files", "--others", "--exclude-standard", "fxpipe"
-    )
+    dirty = _git("status", "--porcelain", "--", "fxpipe")  # the library, not this benchmark
     payload = {
         "command": command_line(), "date": datetime.date.today().isoformat(),
-        "commit": _git("rev-parse", "--short", "HEAD"), "uncommitted_changes": bool(dirty),
+        "commit": _git("rev-parse", "--short", "HEAD"), "fxpipe_uncommitted": bool(dirty),
         "machine": machine_record(("torch", "sklearn")),
         "load_average": {"before": load_before, "after": load_after},
         "setup": {"model": f"MLP {INPUT} -> {' -> '.join([str(HIDDEN)] * LAYERS)} -> "
