@@ -168,8 +168,9 @@ class AsyncSchedule:
         self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any
     ) -> None:
         """``n_microbatches`` more micro-batches into the stream: the first rank passes the
-        batch, the last ``target`` and ``losses`` (each micro-batch's loss is appended, as
-        its forward computed it); other ranks pass nothing. Returns once this stage has run
+        batch, the last ``target`` and ``losses`` (emptied, then each of this call's
+        micro-batch losses, as its forward computed it: torch's schedules do the same);
+        other ranks pass nothing. Returns once this stage has run
         their forwards and the backwards the rule allows; the rest run in later steps or in
         :meth:`flush`."""
         if self._optimizer is None:
@@ -180,6 +181,8 @@ class AsyncSchedule:
             )
         pipe = self.pipe
         pipe._check_modes()
+        if losses is not None and self._next is None:
+            losses.clear()
         self.stage.check_step()
         n = self.n_microbatches
         chunks: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {})] * n
