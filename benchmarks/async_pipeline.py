@@ -20,14 +20,14 @@ about 2.1 M each (a micro-batch of 16 rows: about 7 ms of forward and backward p
 one core, the activation sent 64 KiB). It is pre-trained once, in this process (eager, one
 thread, seed 0, 5 epochs of SGD), on classes 0-4; every run starts from those weights.
 
-Every pipeline runs on 2 fresh processes (gloo on loopback, one torch thread each, one
-stage each), built by ``fxpipe.distributed.pipeline_schedule`` with ``scale_grads=False``
-and a loss of the micro-batch's mean cross-entropy over M (the gradients of a batch's
-mean, whichever the schedule); SGD with momentum 0.9 over ``pipe.parameters()``. The
-synchronous ones run the torch way (``schedule.step``, ``sync_tied_gradients``,
-``opt.step``, ``opt.zero_grad``), the asynchronous one with ``step_every=M`` and its
-optimizer given to ``schedule.attach`` (an update each batch's worth of micro-batches, as
-the synchronous ones).
+Every pipeline runs on 2 processes (gloo on loopback, one torch thread each, one stage each;
+started afresh for each seed and for the step times), built by
+``fxpipe.distributed.pipeline_schedule`` with ``scale_grads=False`` and a loss of the
+micro-batch's mean cross-entropy over M (the gradients of a batch's mean, whichever the
+schedule); SGD with momentum 0.9 over ``pipe.parameters()``. The synchronous ones run the
+torch way (``schedule.step``, ``sync_tied_gradients``, ``opt.step``, ``opt.zero_grad``), the
+asynchronous one with ``step_every=M`` and its optimizer given to ``schedule.attach`` (an
+update each batch's worth of micro-batches, as the synchronous ones).
 
 1. Fine-tuning on classes 5-9, relabelled 0-4 (the 5-way head re-initialized from the
    run's seed): batches of 32 rows, M = 2 micro-batches of 16, learning rate 0.02, 12
@@ -69,7 +69,7 @@ does not spin), measured after every fine-tuning epoch and every step-time round
 processes, in the same minutes, as the figures it bounds (the medians are printed; a b
 under 2 is the machine's: its caches and memory shared, or other work on its cores).
 
-The whole run takes about 10 minutes on 2 cores; ``--quick`` (one seed, 10 epochs, M in 2 and
+The whole run takes about 8 minutes on 2 cores; ``--quick`` (one seed, 10 epochs, M in 2 and
 4, 8 rounds) about 2. The tables and ``benchmarks/results/async_pipeline.json`` hold every
 row, every seed's per-epoch curves, times, training losses and bounds, the command, the
 commit and the machine. A rank's error comes back with its traceback; a rank that waits
