@@ -18,6 +18,7 @@ from torch import nn
 from fxpipe.devices.budgets import parse_amount
 from fxpipe.devices.targets import parse_device
 from fxpipe.distributed.options import (
+    ASYNC,
     SCHEDULES,
     V_SHAPED,
     check_count,
@@ -159,6 +160,12 @@ def suggest_layout(
     why = ": the ranks in all, pipeline ranks x data-parallel replicas x tensor-parallel ranks"
     check_count("world_size", world_size, why=why)
     names = check_each("schedules", schedules, check_schedule)
+    if ASYNC in names:
+        raise ConfigError(
+            "suggest_layout ranks the synchronous schedules by their predicted step; "
+            "schedule='Async1F1B' has no flush to price (its figures are "
+            "pipe.schedule.plan()'s and benchmarks/async_pipeline.py's); leave it out"
+        )
     kinds = check_each("data_parallel", data_parallel, _data_parallel)
     loops = _counts("virtual", virtual, least=2)
     wanted = None if chunks is None else _counts("chunks", chunks, least=1)

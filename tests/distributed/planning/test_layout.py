@@ -538,6 +538,7 @@ def test_roofline_prices_with_keyword_inputs() -> None:
         ({"slack": -1}, "slack=-1"),
         ({"data_parallel": "zero3"}, "data_parallel='zero3'"),
         ({"schedules": ("1f1b", "chimera")}, "schedules[1]='chimera' is not one of"),
+        ({"schedules": ("1f1b", "async")}, "schedule='Async1F1B' has no flush to price"),
         ({"schedules": ()}, "schedules=() is empty"),
         ({"virtual": (2, 1)}, "virtual[1]=1 must be a whole number >= 2"),
         ({"data_parallel": ("ddp", "zero3")}, "data_parallel[1]='zero3'"),
