@@ -110,8 +110,6 @@ class AsyncSchedule:
         #: Micro-batches this stage has run forward, and the updates it has made.
         self.forwards = 0
         self.updates = 0
-        sizes = [p.numel() * p.element_size() for p in named.values()]
-        self._param_bytes = sum(sizes)
 
     # ------------------------------------------------------------------ the user's side
 
