@@ -91,7 +91,7 @@ from typing import Any
 
 from benchmarks.harness.machine import load_average, machine_record
 from benchmarks.harness.output import ROOT, command_line, format_table, result_path, save_json
-from benchmarks.harness.processes import SINGLE_THREAD_ENV, free_port, run_json
+from benchmarks.harness.processes import SINGLE_THREAD_ENV, gather_ranks, run_json
 
 #: The MLP: input, hidden widths, classes.
 INPUT, HIDDEN, LAYERS, CLASSES = 64, 1024, 5, 5
@@ -213,21 +213,7 @@ def _pretrain(path: Path) -> dict[str, Any]:
 def _on_ranks(spec: dict[str, Any]) -> dict[str, Any]:
     """``spec``'s job on 2 fresh processes (gloo on loopback, one torch thread each): each
     rank's result, by rank; any rank's error (its traceback) raised."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, port, spec, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    found = [results.get() for _ in procs]
-    for p in procs:
-        p.join()
-    errors = [f"rank {f['rank']}:\n{f['error']}" for f in found if "error" in f]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return {f["rank"]: f for f in found}
+    return {f["rank"]: f for f in gather_ranks(_rank, spec)}
 
 
 def _rank(rank: int, port: int, spec: dict[str, Any], results: Any) -> None:

@@ -60,7 +60,7 @@ from typing import Any
 
 from benchmarks.harness.machine import machine_record
 from benchmarks.harness.output import ROOT, command_line, format_table, result_path, save_json
-from benchmarks.harness.processes import SINGLE_THREAD_ENV, run_json
+from benchmarks.harness.processes import SINGLE_THREAD_ENV, gather_ranks, run_json
 
 MODEL = dict(
     vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
@@ -138,34 +138,13 @@ def _ranks_case(spec: dict[str, Any]) -> dict[str, Any]:
     """The case of :func:`_case` one process per stage: 2 ranks (gloo, one thread each)
     of ``fxpipe.distributed.pipeline_schedule``'s pipeline, timed on rank 0; the split bound
     from each rank's busy time (its stage's modules timed) in one one-lane run."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    store_port = _free_port()
-    results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, store_port, spec, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    found = [results.get() for _ in procs]
-    for p in procs:
-        p.join()
-    errors = [f["error"] for f in found if "error" in f]
-    if errors:
-        raise RuntimeError("\n".join(errors))
+    found = gather_ranks(_rank, spec)
     (first,) = [f for f in found if f["rank"] == 0]
     busy = [f["busy"] for f in sorted(found, key=lambda f: f["rank"])]
     first["split_bound"] = sum(busy) / max(busy)
     first["busy"] = busy
     first["ranks"] = True
     return first  # type: ignore[no-any-return]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, spec: dict[str, Any], results: Any) -> None:

@@ -20,7 +20,9 @@ import torch.multiprocessing as mp
 
 from benchmarks.harness.output import ROOT
 
-__all__ = ["SINGLE_THREAD_ENV", "free_port", "module_command", "run_json", "on_ranks"]
+__all__ = [
+    "SINGLE_THREAD_ENV", "free_port", "module_command", "run_json", "on_ranks", "gather_ranks",
+]  # fmt: skip
 
 #: A child that computes on one thread and never reaches the network.
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -72,6 +74,26 @@ def on_ranks(job: Callable[..., Any], world: int, *args: Any, timeout_s: float =
             start_method="spawn",
         )
         return json.loads(Path(out).read_text())
+
+
+def gather_ranks(target: Callable[..., None], spec: Any, world: int = 2) -> list[Any]:
+    """``target(rank, port, spec, results)`` in ``world`` spawned processes, each putting one
+    dict with its ``"rank"`` (and an ``"error"`` traceback where it failed) on the
+    ``results`` queue; every rank's dict, in the order they came. RuntimeError with the
+    failed ranks' tracebacks."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    results = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(r, port, spec, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    found = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [f"rank {f['rank']}:\n{f['error']}" for f in found if "error" in f]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return found
 
 
 def _rank_entry(
