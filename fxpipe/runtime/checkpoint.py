@@ -41,6 +41,9 @@ __all__ = [
     "Checkpointing",
     "Checkpoint",
     "Recompute",
+    "RNGState",
+    "save_rng",
+    "restore_rng",
 ]
 
 Tensors = tuple[torch.Tensor, ...]
@@ -75,13 +78,14 @@ def _flag(name: str) -> Iterator[None]:
         setattr(_flags, name, previous)
 
 
-def _save_rng(device: torch.device) -> RNGState:
+def save_rng(device: torch.device) -> RNGState:
+    """The CPU generator's state, and ``device``'s where it is a CUDA device."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
 @contextmanager
-def _restore_rng(device: torch.device, state: RNGState) -> Iterator[None]:
+def restore_rng(device: torch.device, state: RNGState) -> Iterator[None]:
     """Run the block from ``state``; the RNG state outside the block is left as it was."""
     cpu, cuda = state
     with torch.random.fork_rng(devices=[device] if cuda is not None else []):
@@ -204,7 +208,7 @@ class _Recomputation:
 
     def run_first(self, tensors: Sequence[torch.Tensor]) -> Tensors:
         """The gradient-free forward: remember RNG and autocast, return detached outputs."""
-        self.rng = _save_rng(self.device)
+        self.rng = save_rng(self.device)
         self.state = dataclasses.replace(capture_thread_state(), grad_enabled=True)
         versions = _buffer_versions(self.function)
         with torch.no_grad(), _flag("checkpointing"):
@@ -228,7 +232,7 @@ class _Recomputation:
         """Rerun the stage with grad enabled and the first forward's RNG state."""
         assert self.rng is not None and self.state is not None
         inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in tensors)
-        with _restore_rng(self.device, self.rng), self.state.enter(), _flag("recomputing"):
+        with restore_rng(self.device, self.rng), self.state.enter(), _flag("recomputing"):
             with use_device(self.device), _keep_batch_norm_stats(self.function, self.written):
                 outputs = self.call(inputs)
         leaves = tree_flatten(outputs)[0]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,9 +47,11 @@ from torch.func import functional_call
 from fxpipe.distributed.options import ASYNC
 from fxpipe.distributed.parallel.mesh import comm_device
 from fxpipe.distributed.planning.staleness import Staleness, staleness_of
+from fxpipe.distributed.rank.gradients import all_reduce_flat
 from fxpipe.distributed.rank.losses import StructuredLoss
 from fxpipe.distributed.rank.versions import Key, Versions
 from fxpipe.errors import ConfigError, InputError
+from fxpipe.runtime.checkpoint import RNGState, restore_rng, save_rng
 from fxpipe.trace.batch_checks import BatchStatistics
 from fxpipe.trace.tracing import Traced
 
@@ -67,7 +69,7 @@ class _Flight:
     #: Its outputs with their graph; None where the backward recomputes them.
     outputs: tuple[torch.Tensor, ...] | None
     #: The generator's state before its forward (for the recomputation), and the layouts.
-    rng: tuple[torch.Tensor, ...] = ()
+    rng: RNGState | None = None
     layouts: Any = None
     #: The shapes and dtypes of the floating outputs whose gradients come back.
     grads: list[tuple[torch.Size, torch.dtype]] = field(default_factory=list)
@@ -232,7 +234,7 @@ class AsyncSchedule:
         layouts = self._layouts(key)
         flight = _Flight(self.forwards, args, kwargs, version, None, layouts=layouts)
         if recompute:
-            flight.rng = _rng_state(self.pipe.device)
+            flight.rng = save_rng(self.pipe.device)
         with torch.no_grad() if recompute else contextlib.nullcontext():
             out = self._run(flight)
         self.forwards += 1
@@ -268,7 +270,8 @@ class AsyncSchedule:
             received = [self._receive(s, dtype, self._next) for s, dtype in flight.grads]
             outputs = flight.outputs
             if outputs is None:  # "none": recomputed with the weights of now
-                with _rng_restored(flight.rng, self.pipe.device):
+                assert flight.rng is not None
+                with restore_rng(self.pipe.device, flight.rng):
                     outputs = self._run(flight)
             floating = [t for t in outputs if t.is_floating_point()]
             pairs = [(t, g) for t, g in zip(floating, received, strict=True) if t.requires_grad]
@@ -381,38 +384,14 @@ def batch_statistics(traced: Traced, schedule: str) -> BatchStatistics:
 
 
 def _average(params: Sequence[torch.Tensor], group: Any) -> None:
-    """Each gradient averaged over ``group`` (one all-reduce)."""
+    """Each gradient averaged over ``group`` (one all-reduce, as the tied sums' one)."""
     grads = []
     for p in params:
         if p.grad is None:  # as on a replica whose micro-batches gave it a gradient
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    done = 0
-    for g in grads:
-        g.copy_(flat[done : done + g.numel()].view_as(g))
-        done += g.numel()
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, ...]:
-    cpu = torch.get_rng_state()
-    return (cpu, torch.cuda.get_rng_state(device)) if device.type == "cuda" else (cpu,)
-
-
-@contextlib.contextmanager
-def _rng_restored(state: tuple[torch.Tensor, ...], device: torch.device) -> Iterator[None]:
-    """Within the block the generators hold ``state``; after it, what they held before."""
-    now = _rng_state(device)
-    torch.set_rng_state(state[0])
-    if len(state) > 1:
-        torch.cuda.set_rng_state(state[1], device)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(now[0])
-        if len(now) > 1:
-            torch.cuda.set_rng_state(now[1], device)
+    size = dist.get_world_size(group)
+    reduced = list(grads)
+    all_reduce_flat(reduced, list(range(len(reduced))), group, divide=size)
+    for g, total in zip(grads, reduced, strict=True):
+        g.copy_(total)

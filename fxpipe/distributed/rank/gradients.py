@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fxpipe.distributed.parallel.mesh import Layout, comm_device
 from fxpipe.distributed.parallel.ownership import Ownership, is_dtensor, local_tensor
 
-__all__ = ["sum_tied_gradients"]
+__all__ = ["sum_tied_gradients", "all_reduce_flat"]
 
 
 def sum_tied_gradients(own: Ownership, layout: Layout, device: torch.device) -> None:
@@ -33,10 +33,10 @@ def sum_tied_gradients(own: Ownership, layout: Layout, device: torch.device) -> 
             grads.append(local_tensor(g).to(comm))
     # held by several ranks: summed over the pipeline ranks (the same list on each)
     shared = [i for i, (key, _, _) in enumerate(entries) if key in own.shared_keys]
-    _all_reduce(grads, shared, layout.pp_group)
+    all_reduce_flat(grads, shared, layout.pp_group)
     if layout.dp_group is not None:  # left whole by FSDP: averaged, as FSDP does
         whole = [i for i, (k, _, t) in enumerate(entries) if k in whole_keys and t is not None]
-        _all_reduce(grads, whole, layout.dp_group, divide=layout.dp_size)
+        all_reduce_flat(grads, whole, layout.dp_group, divide=layout.dp_size)
     for (_, _, t), total in zip(entries, grads, strict=True):
         if t is not None:
             if t.grad is None:
@@ -56,7 +56,7 @@ def _local_shape(layout: Layout, shape: torch.Size) -> tuple[int, ...]:
     return tuple(local)
 
 
-def _all_reduce(
+def all_reduce_flat(
     grads: list[torch.Tensor], chosen: list[int], group: dist.ProcessGroup | None, divide: int = 1
 ) -> None:
     """``grads[i]`` for each ``i`` of ``chosen`` summed over ``group`` (one collective, in
