@@ -66,11 +66,6 @@ class Versions:
         if count[0] == 0:
             del self._held[key]
 
-    @property
-    def held(self) -> int:
-        """Versions held now."""
-        return len(self._held)
-
 
 def predicted(
     optimizer: torch.optim.Optimizer, named: dict[str, nn.Parameter], steps: int
