@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ __all__ = [
     "LayerLayout",
     "StageCaches",
     "step_cache",
+    "seq2seq_step_cache",
     "lane_cache",
     "probe_layout",
     "cache_argument",
@@ -48,6 +49,8 @@ class LayerLayout:
     key_dim: int
     value_dim: int
     dtype: torch.dtype
+    #: A decoder's cross-attention over the encoder's output: as long as the source.
+    cross: bool = False
 
     def bytes_per_position(self) -> int:
         """Bytes of keys and values one row holds per position."""
@@ -61,9 +64,13 @@ class CacheLayout:
 
     layers: tuple[LayerLayout, ...]
 
-    def bytes(self, rows: int, length: int) -> tuple[int, ...]:
-        """Bytes of each layer's keys and values for ``rows`` sequences of ``length``."""
-        return tuple(rows * length * layer.bytes_per_position() for layer in self.layers)
+    def bytes(self, rows: int, length: int, source: int = 0) -> tuple[int, ...]:
+        """Bytes of each layer's keys and values for ``rows`` sequences of ``length``
+        (a cross-attention layer's: of ``source``, the encoder's length)."""
+        return tuple(
+            rows * (source if layer.cross else length) * layer.bytes_per_position()
+            for layer in self.layers
+        )
 
 
 def cache_argument(model: nn.Module) -> str:
@@ -137,12 +144,67 @@ def _classes() -> tuple[type[Any], type[Any], type[Any]]:
 def probe_layout(model: nn.Module, embeds: torch.Tensor, argument: str) -> CacheLayout:
     """Each attention layer's heads, head sizes and dtype, from one run of ``model`` over
     ``embeds`` (embedded tokens of one row, zeros or on ``meta``: token ids and a mask would
-    have some models read their values) with a cache that records what each layer writes;
-    where that run fails (on ``meta``, some kernels such as grouped experts run only while
-    traced), from torch.export's trace of it. ConfigError where a layer keeps something
-    else (a recurrent state, layers sharing one cache) or the model writes no cache."""
+    have some models read their values) with a cache that records what each layer writes
+    (an encoder-decoder's decoder over the same embeds, its cross-attention layers recorded
+    after its self-attention layers); where that run fails (on ``meta``, some kernels such as
+    grouped experts run only while traced), from torch.export's trace of it. ConfigError
+    where a layer keeps something else (a recurrent state, layers sharing one cache) or the
+    model writes no cache."""
+    seq2seq = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    found: list[dict[int, LayerLayout]] = [{}, {}]
+
+    def cache() -> Any:
+        for seen in found:
+            seen.clear()
+        if not seq2seq:
+            return _probe(model, found[0], cross=False)
+        from transformers.cache_utils import EncoderDecoderCache
+
+        return EncoderDecoderCache(
+            _probe(model, found[0], cross=False), _probe(model, found[1], cross=True)
+        )
+
+    with torch.no_grad():
+        try:
+            model(**_probe_inputs(embeds, seq2seq), **{argument: cache()}, use_cache=True)
+        except ConfigError:
+            raise
+        except Exception:  # on meta, some kernels (grouped experts) run only while traced
+            try:
+                traced = _Traced(model, argument, cache, seq2seq)
+                torch.export.export(traced, (embeds,), strict=False)
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError(
+                    f"{type(model).__name__} did not run with a cache of keys and values per "
+                    f"attention layer ({error_line(e)}): it may keep other states (a "
+                    "recurrent or convolution state, as Mamba layers do), which pipelined "
+                    "generate() does not hold; call the model's own generate() on one device"
+                ) from e
+    layers: list[LayerLayout] = []
+    for seen in found[: 1 + seq2seq]:
+        if not seen or sorted(seen) != list(range(len(seen))):
+            raise ConfigError(
+                f"{type(model).__name__} wrote no key/value cache of its attention layers in "
+                f"order (layers {sorted(seen)}); pipelined generate() keeps one per attention "
+                "layer: call the model's own generate()"
+            )
+        layers += [seen[i] for i in range(len(seen))]
+    return CacheLayout(tuple(layers))
+
+
+def _probe_inputs(embeds: torch.Tensor, seq2seq: bool) -> dict[str, torch.Tensor]:
+    """The probe's inputs: the embeds, for an encoder-decoder's decoder too."""
+    if seq2seq:
+        return {"inputs_embeds": embeds, "decoder_inputs_embeds": embeds}
+    return {"inputs_embeds": embeds}
+
+
+def _probe(model: nn.Module, seen: dict[int, LayerLayout], *, cross: bool) -> Any:
+    """A cache that records in ``seen`` what each layer writes (its shapes and dtype) and
+    keeps nothing."""
     cache_cls, layer_cls, _ = _classes()
-    seen: dict[int, LayerLayout] = {}
 
     class _Probe(cache_cls):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
@@ -158,7 +220,7 @@ def probe_layout(model: nn.Module, embeds: torch.Tensor, argument: str) -> Cache
                 )
             seen[layer_idx] = LayerLayout(
                 int(key_states.shape[1]), int(key_states.shape[3]), int(value_states.shape[3]),
-                key_states.dtype,
+                key_states.dtype, cross,
             )  # fmt: skip
             while len(self.layers) <= layer_idx:
                 self.layers.append(layer_cls(None, None))
@@ -173,31 +235,7 @@ def probe_layout(model: nn.Module, embeds: torch.Tensor, argument: str) -> Cache
         def get_query_offset(self, layer_idx: int = 0) -> int:
             return 0
 
-    with torch.no_grad():
-        try:
-            model(inputs_embeds=embeds, **{argument: _Probe()}, use_cache=True)
-        except ConfigError:
-            raise
-        except Exception:  # on meta, some kernels (grouped experts) run only while traced
-            seen.clear()
-            try:
-                torch.export.export(_Traced(model, argument, _Probe), (embeds,), strict=False)
-            except ConfigError:
-                raise
-            except Exception as e:
-                raise ConfigError(
-                    f"{type(model).__name__} did not run with a cache of keys and values per "
-                    f"attention layer ({error_line(e)}): it may keep other states (a "
-                    "recurrent or convolution state, as Mamba layers do), which pipelined "
-                    "generate() does not hold; call the model's own generate() on one device"
-                ) from e
-    if not seen or sorted(seen) != list(range(len(seen))):
-        raise ConfigError(
-            f"{type(model).__name__} wrote no key/value cache of its attention layers in order "
-            f"(layers {sorted(seen)}); pipelined generate() keeps one per attention layer: "
-            "call the model's own generate()"
-        )
-    return CacheLayout(tuple(seen[i] for i in range(len(seen))))
+    return _Probe()
 
 
 def error_line(e: BaseException) -> str:
@@ -207,21 +245,25 @@ def error_line(e: BaseException) -> str:
 
 
 class _Traced(nn.Module):
-    """The model over embedded tokens with a given cache class (for a probe under
+    """The model over embedded tokens with a cache made by ``cache`` (for a probe under
     torch.export)."""
 
-    def __init__(self, model: nn.Module, argument: str, cache: type[Any]) -> None:
+    def __init__(
+        self, model: nn.Module, argument: str, cache: Callable[[], Any], seq2seq: bool
+    ) -> None:
         super().__init__()
-        self.model, self.argument, self.cache = model, argument, cache
+        self.model, self.argument, self.cache, self.seq2seq = model, argument, cache, seq2seq
 
     def forward(self, embeds: torch.Tensor) -> Any:
-        out = self.model(inputs_embeds=embeds, **{self.argument: self.cache()}, use_cache=True)
+        inputs = _probe_inputs(embeds, self.seq2seq)
+        out = self.model(**inputs, **{self.argument: self.cache()}, use_cache=True)
         return out.logits if hasattr(out, "logits") else out[0]
 
 
 class StageCaches:
-    """Every layer's keys and values for ``rows`` sequences of up to ``length`` positions,
-    each on its layer's device (``devices[i]``), zeros until written."""
+    """Every layer's keys and values for ``rows`` sequences of up to ``length`` positions
+    (a cross-attention layer's: of the ``source`` positions of the encoder's output), each
+    on its layer's device (``devices[i]``), zeros until written."""
 
     def __init__(
         self,
@@ -229,12 +271,13 @@ class StageCaches:
         devices: Sequence[torch.device],
         rows: int,
         length: int,
+        source: int = 0,
     ) -> None:
-        self.layout, self.rows, self.length = layout, rows, length
+        self.layout, self.rows, self.length, self.source = layout, rows, length, source
         self.tensors: list[torch.Tensor] = []
         for layer, device in zip(layout.layers, devices, strict=True):
             for dim in (layer.key_dim, layer.value_dim):
-                shape = (rows, layer.heads, length, dim)
+                shape = (rows, layer.heads, source if layer.cross else length, dim)
                 self.tensors.append(torch.zeros(shape, dtype=layer.dtype, device=device))
 
     def rows_of(self, start: int, stop: int) -> list[torch.Tensor]:
@@ -270,6 +313,36 @@ def step_cache(tensors: Sequence[torch.Tensor], positions: torch.Tensor) -> Any:
             return self.tensors[0].shape[2], 0
 
     return _Step(tensors)
+
+
+def seq2seq_step_cache(
+    tensors: Sequence[torch.Tensor], positions: torch.Tensor, layout: CacheLayout, filled: bool
+) -> Any:
+    """An encoder-decoder's ``EncoderDecoderCache`` over ``tensors`` (the decoder's
+    self-attention layers' keys and values, then its cross-attention layers'): the first as
+    :func:`step_cache`; the cross-attention layers written whole by the step that computes
+    them from the encoder's output (``filled`` False: the first step of a group), read as
+    they are by the later steps (``filled``: transformers' code then skips their
+    projections)."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    _, _, over = _classes()
+    own = 2 * sum(not layer.cross for layer in layout.layers)
+
+    class _Cross(over):  # type: ignore[misc, valid-type]
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+            *args: Any, **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            keys, values = self.tensors[2 * layer_idx], self.tensors[2 * layer_idx + 1]
+            keys.copy_(key_states)
+            values.copy_(value_states)
+            return keys, values
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return int(filled)  # transformers reads "written" as a length above 0
+
+    return EncoderDecoderCache(step_cache(tensors[:own], positions), _Cross(tensors[own:]))
 
 
 def lane_cache(tensors: Sequence[torch.Tensor]) -> Any:

@@ -37,6 +37,7 @@ from fxpipe.generation.cache import (
     lane_cache,
     probe_layout,
 )
+from fxpipe.generation.calls import decoder_call, encoder_call, seq2seq_call
 from fxpipe.generation.request import Request, resolve_request
 from fxpipe.generation.ring import Ring
 from fxpipe.generation.step import StepKind, StepVariant, trace_step
@@ -121,28 +122,37 @@ class Generator:
                     return v
             was = self.model.training
             self.model.eval()
+            first = self._first_with_cache()
+            floor = first.cache_stage if first is not None and kind != "encode" else ()
             try:
                 v = trace_step(
                     self.model, self.plan, self.program, self.layout(),
-                    self.argument, kind=kind, rows=rows,
+                    self.argument, kind=kind, rows=rows, floor=floor,
                 )  # fmt: skip
             finally:
                 self.model.train(was)
-            if self.variants and v.cache_stage != self.variants[0].cache_stage:
+            if kind != "encode" and first is not None and v.cache_stage != first.cache_stage:
                 raise ConfigError(
                     f"the {kind} step keeps its layers' caches on stages {v.cache_stage}, the "
-                    f"first step on {self.variants[0].cache_stage}: a cache would move between "
+                    f"first step on {first.cache_stage}: a cache would move between "
                     "steps, which pipelined generate() does not do; call the model's own "
                     "generate() on one device"
                 )
             self.variants.append(v)
             return v
 
-    def cache_bytes(self, rows: int, length: int, rows_one: bool = False) -> tuple[int, ...]:
-        """Bytes of cache each stage holds for ``rows`` sequences of ``length`` positions."""
+    def _first_with_cache(self) -> StepVariant | None:
+        """The first variant traced that holds the cache (not an encoder's), or None."""
+        return next((v for v in self.variants if v.kind != "encode"), None)
+
+    def cache_bytes(
+        self, rows: int, length: int, rows_one: bool = False, source: int = 0
+    ) -> tuple[int, ...]:
+        """Bytes of cache each stage holds for ``rows`` sequences of ``length`` positions
+        (and an encoder's output of ``source``, for an encoder-decoder's cross-attention)."""
         stages = self.variant("decode", 1 if rows_one else 2).layer_stages
         out = [0] * self.plan.num_stages
-        for j, size in zip(stages, self.layout().bytes(rows, length), strict=True):
+        for j, size in zip(stages, self.layout().bytes(rows, length, source), strict=True):
             out[j] += size
         return tuple(out)
 
@@ -160,16 +170,17 @@ class Generator:
         request = resolve_request(
             self.model, self.places(), args, kwargs, lane_rows=self.lane_rows
         )
-        for r in {(b - a) * request.expand for a, b in request.groups}:  # before any step
-            kinds: tuple[StepKind, ...] = ("prefill", "decode")
-            for kind in kinds if request.ids.shape[1] > 1 else ("decode",):
-                self.variant(kind, r)
+        for a, b in request.groups:  # every variant traced before any step
+            for kind in _kinds(request):
+                self.variant(kind, (b - a) * (1 if kind == "encode" else request.expand))
         widest = max(b - a for a, b in request.groups) * request.expand
         devices = self._cache_devices()
-        cache_bytes = self.cache_bytes(widest * request.lanes, request.length, widest == 1)
+        cache_bytes = self.cache_bytes(
+            widest * request.lanes, request.length, widest == 1, request.source
+        )
         _check_fits(self.plan, cache_bytes, request)
         pools = [
-            StageCaches(self.layout(), devices, widest, request.length)
+            StageCaches(self.layout(), devices, widest, request.length, request.source)
             for _ in range(request.lanes)
         ]
         results = self._run_lanes(request, pools, recorder)
@@ -194,7 +205,9 @@ class Generator:
 
     def _cache_devices(self) -> list[torch.device]:
         """The device each layer's cache is made on."""
-        return [self.plan.devices[j] for j in self.variants[0].layer_stages]
+        first = self._first_with_cache()
+        assert first is not None
+        return [self.plan.devices[j] for j in first.layer_stages]
 
     def _ring(self, threads: bool, recorder: RunRecorder) -> Any:
         """The ring the lanes' steps go through (a context manager)."""
@@ -203,7 +216,8 @@ class Generator:
     def _through(
         self, ring: Any, lane: int, variant: StepVariant, values: list[Any], cache: Any
     ) -> torch.Tensor:
-        """One step of ``lane`` through ``ring``: the logits of each row's last position."""
+        """One step of ``lane`` through ``ring``: the logits of each row's last position
+        (the encoder's output, for an encoder's step, whose ``cache`` is None)."""
         out: torch.Tensor = ring.step(lane, variant.program, values)
         return out
 
@@ -224,6 +238,9 @@ class Generator:
         def step(*args: Any, **kwargs: Any) -> Any:
             return self._step(local.lane, local.ring, argument, args, kwargs)
 
+        def encode(*args: Any, **kwargs: Any) -> Any:
+            return self._encode(local.lane, local.ring, args, kwargs)
+
         def lane(j: int, ring: Ring) -> None:
             local.lane, local.ring = j, ring
             while not errors:
@@ -238,7 +255,8 @@ class Generator:
 
         threads = request.lanes > 1
         recorder.begin_run()
-        with _forward_replaced(model, step):
+        encoder = model.get_encoder() if request.seq2seq else None  # type: ignore[operator]
+        with _forward_replaced(model, step), _forward_replaced(encoder, encode):
             with self._ring(threads, recorder) as ring:
                 workers = [
                     threading.Thread(target=lane, args=(j, ring), name=f"fxpipe-lane-{j}")
@@ -276,40 +294,32 @@ class Generator:
     ) -> Any:
         """One forward of ``generate``'s loop for ``lane``: its new tokens through the stages,
         written into its rows of the cache; the logits of each row's last position."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
 
         if args:
             raise ConfigError("generate's loop called the model with positional arguments")
         cache = kwargs.pop(argument)
-        ids = kwargs.pop("input_ids")
-        mask = kwargs.pop("attention_mask", None)
-        position = kwargs.pop("position_ids", None)
-        for name in ("use_cache", "return_dict", "logits_to_keep"):
-            kwargs.pop(name, None)
-        unknown = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
-        if unknown:
-            raise ConfigError(
-                f"generate() passed {unknown} to the model, which the pipeline's generation "
-                "step does not take (it takes input_ids, attention_mask and position_ids); "
-                "call generate() without them"
-            )
-        rows, tokens = ids.shape
-        seen, length = cache.seen, cache.tensors[0].shape[2]
-        if seen + tokens > length:
-            raise ConfigError(
-                f"generation went past the cache's {length} positions; pass max_new_tokens"
-            )
-        device = ids.device
-        whole = torch.zeros((rows, length), dtype=torch.long, device=device)
-        whole[:, : seen + tokens] = 1 if mask is None else mask
-        positions = torch.arange(seen, seen + tokens, device=device)
-        if position is None:  # what the model's forward does without them
-            position = positions.expand(rows, tokens)
-        variant = self.variant("prefill" if tokens > 1 else "decode", rows)
-        values = [ids, whole, position.contiguous(), positions, *cache.tensors]
-        logits = self._through(ring, lane, variant, values, cache).to(device)
-        cache.seen = seen + tokens
-        return CausalLMOutputWithPast(logits=logits, **{argument: cache})
+        seq2seq = "encoder_outputs" in kwargs
+        call = seq2seq_call(cache, kwargs) if seq2seq else decoder_call(cache, kwargs)
+        variant = self.variant(call.kind, call.rows)
+        device = call.values[0].device
+        logits = self._through(ring, lane, variant, call.values, cache).to(device)
+        cache.seen = call.seen
+        output = Seq2SeqLMOutput if seq2seq else CausalLMOutputWithPast
+        return output(logits=logits, **{argument: cache})
+
+    def _encode(self, lane: int, ring: Ring, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An encoder-decoder's encoder over one group's prompts (``generate`` calls it once
+        before its loop), through the stages: its output as transformers' encoders give it."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        if args:
+            raise ConfigError("generate called the encoder with positional arguments")
+        call = encoder_call(kwargs)
+        variant = self.variant(call.kind, call.rows)
+        return BaseModelOutput(
+            last_hidden_state=self._through(ring, lane, variant, call.values, None)
+        )
 
 
 def _check_fits(plan: PipelinePlan, cache_bytes: tuple[int, ...], request: Request) -> None:
@@ -327,10 +337,20 @@ def _check_fits(plan: PipelinePlan, cache_bytes: tuple[int, ...], request: Reque
             )
 
 
+def _kinds(request: Request) -> tuple[StepKind, ...]:
+    """The step variants a request runs."""
+    if request.seq2seq:
+        return ("encode", "prefill", "decode")
+    return ("prefill", "decode") if request.ids.shape[1] > 1 else ("decode",)
+
+
 @contextmanager
-def _forward_replaced(model: nn.Module, step: Callable[..., Any]) -> Iterator[None]:
+def _forward_replaced(model: nn.Module | None, step: Callable[..., Any]) -> Iterator[None]:
     """Within the block, ``model.forward`` is ``step`` (with the forward's signature, which
-    ``generate`` reads); restored after."""
+    ``generate`` reads); restored after (nothing, for no model)."""
+    if model is None:
+        yield
+        return
     step.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
     had = "forward" in vars(model)
     original = vars(model).get("forward")

@@ -32,8 +32,9 @@ from torch import nn
 from fxpipe.errors import StageError
 from fxpipe.generation.cache import StageCaches
 from fxpipe.generation.driver import Generator
+from fxpipe.generation.forms import KINDS
 from fxpipe.generation.ring import on_device
-from fxpipe.generation.step import STEP_INPUTS, StepKind, StepVariant
+from fxpipe.generation.step import StepVariant
 from fxpipe.generation.wire import (
     ERROR,
     STEP,
@@ -123,7 +124,7 @@ class RankGenerator(Generator):
         key = id(variant)
         if key not in self._live:
             program = variant.program
-            caches = set(program.graph_inputs[len(STEP_INPUTS) :])
+            caches = set(program.graph_inputs[variant.inputs :])
             ready, live = set(program.graph_inputs), []
             for j in range(program.num_stages):
                 ready |= set(program.outputs[j - 1]) if j else set()
@@ -138,7 +139,9 @@ class RankGenerator(Generator):
     def _cache_devices(self) -> list[torch.device]:
         """Home's layers' caches on its device; the others' held by their processes
         (``meta`` here: their shapes only)."""
-        return [self.device if j == self.home else _META for j in self.variants[0].layer_stages]
+        first = self._first_with_cache()
+        assert first is not None
+        return [self.device if j == self.home else _META for j in first.layer_stages]
 
     def _ring(self, threads: bool, recorder: RunRecorder) -> _HomeRing:
         return _HomeRing(self, threads, recorder)
@@ -146,7 +149,10 @@ class RankGenerator(Generator):
     def _through(
         self, ring: Any, lane: int, variant: StepVariant, values: list[Any], cache: Any
     ) -> torch.Tensor:
-        out: torch.Tensor = ring.step(lane, variant, values, cache.seen, cache.take_reordered())
+        if cache is None:  # an encoder's step
+            out: torch.Tensor = ring.step(lane, variant, values, 0, None)
+        else:
+            out = ring.step(lane, variant, values, cache.seen, cache.take_reordered())
         return out
 
     def _stop(self, inline: bool) -> None:
@@ -203,12 +209,11 @@ class RankGenerator(Generator):
     def _serve_step(self, message: Message, pools: dict[int, StageCaches]) -> Message:
         """This stage's part of one lane's step: what the next process takes."""
         j = self.stage
-        kind: StepKind = "decode" if message.kind else "prefill"
-        variant = self.variant(kind, 1 if message.one_row else 2)
+        variant = self.variant(KINDS[message.kind], 1 if message.one_row else 2)
         program, live = variant.program, self.live(variant)
         env = named(message, (*live[j], _REORDER))
         reorder = env.pop(_REORDER)
-        tensors = self._lane_rows(pools, message, variant)
+        tensors = self._lane_rows(pools, message, variant) if variant.kind != "encode" else []
         local = [t for t in tensors if not t.is_meta]
         if message.seen == 0:  # a new group on this lane
             for t in local:
@@ -216,7 +221,7 @@ class RankGenerator(Generator):
         if reorder is not None:
             for t in local:
                 t.copy_(t.index_select(0, reorder.to(t.device)))
-        env.update(zip(program.graph_inputs[len(STEP_INPUTS) :], tensors, strict=True))
+        env.update(zip(program.graph_inputs[variant.inputs :], tensors, strict=True))
         args = tuple(on_device(env[name], self.device) for name in program.inputs[j])
         with torch.no_grad():
             env.update(zip(program.outputs[j], program.modules[j](*args), strict=True))
@@ -230,9 +235,14 @@ class RankGenerator(Generator):
     ) -> list[torch.Tensor]:
         """The lane's rows of every layer's cache: this stage's real, the others on meta."""
         pool = pools.get(message.lane)
-        if pool is None or pool.rows < message.rows or pool.length != message.length:
+        if (
+            pool is None or pool.rows < message.rows or pool.length != message.length
+            or pool.source != message.source
+        ):  # fmt: skip
             devices = [self.device if s == self.stage else _META for s in variant.layer_stages]
-            pool = StageCaches(self.layout(), devices, message.rows, message.length)
+            pool = StageCaches(
+                self.layout(), devices, message.rows, message.length, message.source
+            )
             pools[message.lane] = pool
         return pool.rows_of(0, message.rows)
 
@@ -287,11 +297,10 @@ class _HomeRing:
         """The logits of one step of ``lane`` (``seen``: positions written before it)."""
         owner, program = self.owner, variant.program
         trip = _Trip(lane, variant, dict(zip(program.graph_inputs, values, strict=True)))
-        ids, mask = values[0], values[1]
+        rows, length, source = variant.sizes(list(values))
         message = Message(
-            STEP, lane, int(variant.kind == "decode"), int(variant.one_row),
-            ids.shape[0], mask.shape[1], seen,
-            (*in_order(trip.env, owner.live(variant)[0]), reorder),
+            STEP, lane, KINDS.index(variant.kind), int(variant.one_row), rows, length, seen,
+            source, (*in_order(trip.env, owner.live(variant)[0]), reorder),
         )  # fmt: skip
         if self._broken is not None:
             raise self._broken

@@ -43,6 +43,13 @@ class Request:
     per_lane: int
     #: (first row, end row) of each group, in order.
     groups: tuple[tuple[int, int], ...]
+    #: An encoder-decoder: ``ids`` are the encoder's, ``length`` the decoder's.
+    seq2seq: bool = False
+
+    @property
+    def source(self) -> int:
+        """Positions of the encoder's output each row's cross-attention cache holds."""
+        return int(self.ids.shape[1]) if self.seq2seq else 0
 
 
 def resolve_request(
@@ -61,11 +68,14 @@ def resolve_request(
             f"{type(model).__name__} has no generate(): pipelined generation runs a "
             "transformers model's generate loop; call pipe(...) step by step instead"
         )
-    if getattr(config, "is_encoder_decoder", False):
-        raise ConfigError(
-            f"{type(model).__name__} is an encoder-decoder: pipelined generate() runs "
-            "decoder-only models for now; call the model's own generate() on one device"
-        )
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    for name in ("decoder_input_ids", "encoder_outputs") if seq2seq else ():
+        if kwargs.get(name) is not None:
+            raise ConfigError(
+                f"generate({name}=...) on an encoder-decoder pipeline: the pipeline runs the "
+                "encoder over the prompts and starts the decoder from the generation "
+                f"config's decoder_start_token_id; leave {name} out"
+            )
     lanes, per_lane = kwargs.pop("lanes", "auto"), kwargs.pop("sequences_per_lane", None)
     for name, why in REFUSED.items():
         if kwargs.get(name) is not None:
@@ -96,9 +106,8 @@ def resolve_request(
             f"lanes=1 and sequences_per_lane={rows} (one group) to get generate's whole output"
         )
     expand = max(int(gc.num_beams or 1), int(gc.num_return_sequences or 1))
-    return Request(
-        ids, gc, model_kwargs, expand, _length(gc, ids.shape[1]), lanes, per_lane, groups
-    )
+    length = _length(gc, 1 if seq2seq else ids.shape[1])  # a decoder starts from one token
+    return Request(ids, gc, model_kwargs, expand, length, lanes, per_lane, groups, seq2seq)
 
 
 def _prompt(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -7,22 +7,23 @@ of ``(rows, length)`` over the whole cache (1 where a position holds a token of 
 step's absolute positions ``cache_position`` of ``(tokens,)`` and every layer's keys and
 values; it returns the logits of each row's last position. Two variants share one split:
 *prefill* (a prompt of several tokens) and *decode* (one token per row), and each exists once
-for a lane of one row (torch.export fixes a size of one into the graph). No weight and no
-cache moves between variants: their stages follow the first plan's borders
-(:mod:`fxpipe.passes.split.follow`).
+for a lane of one row (torch.export fixes a size of one into the graph). An encoder-decoder
+has three: *encode* (its encoder over the prompts), *prefill* (the decoder's first token,
+whose cross-attention layers write their keys and values from the encoder's output into
+their caches) and *decode* (which reads them there). No weight and no cache moves between
+variants: their stages follow the first plan's borders (:mod:`fxpipe.passes.split.follow`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -30,7 +31,8 @@ from torch import nn
 
 from fxpipe.devices.targets import model_device
 from fxpipe.errors import ConfigError
-from fxpipe.generation.cache import CacheLayout, error_line, step_cache
+from fxpipe.generation.cache import CacheLayout, error_line
+from fxpipe.generation.forms import KINDS, SEQ2SEQ_INPUTS, STEP_INPUTS, StepKind, step_form
 from fxpipe.ir import PipelinePlan, StageProgram
 from fxpipe.model_state import preserved
 from fxpipe.passes.partition.cost_graph import REPLICATED, replicate_shared_weights, to_networkx
@@ -44,12 +46,7 @@ from fxpipe.trace.shapes import replicate_shape_queries
 from fxpipe.trace.tracing import merge_aliased_attributes
 from fxpipe.weights.materialise import meta_view
 
-__all__ = ["StepKind", "StepVariant", "trace_step", "STEP_INPUTS"]
-
-StepKind = Literal["prefill", "decode"]
-
-#: The step's inputs before the cache tensors, in order.
-STEP_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+__all__ = ["StepKind", "KINDS", "StepVariant", "trace_step", "STEP_INPUTS", "SEQ2SEQ_INPUTS"]
 
 
 @dataclass(frozen=True)
@@ -63,45 +60,27 @@ class StepVariant:
     program: StageProgram
     #: The stage whose module writes each cache tensor (keys, values of layer 0, ...).
     cache_stage: tuple[int, ...]
+    #: The step's inputs before its cache tensors (the encoder's step has no cache).
+    inputs: int = len(STEP_INPUTS)
 
     @property
     def layer_stages(self) -> tuple[int, ...]:
         """The stage holding each layer's cache (its keys and values sit together)."""
         return self.cache_stage[0::2]
 
+    def sizes(self, values: list[Any]) -> tuple[int, int, int]:
+        """(rows, cache length, encoder's length) of a step over ``values`` (this variant's
+        inputs): the encoder's step holds no cache; a decoder-only model's reads no
+        encoder's output."""
+        rows = int(values[0].shape[0])
+        if self.kind == "encode":
+            return rows, 0, 0
+        source = int(values[4].shape[1]) if self.inputs == len(SEQ2SEQ_INPUTS) else 0
+        return rows, int(values[1].shape[1]), source
+
     def fits(self, kind: StepKind, rows: int) -> bool:
         """Whether this variant runs a step of ``kind`` over ``rows`` rows."""
         return self.kind == kind and self.one_row == (rows == 1)
-
-
-class _Step(nn.Module):
-    """The model called for one step of generation with the static cache (traced only)."""
-
-    def __init__(self, model: nn.Module, argument: str, keeps_logits: bool) -> None:
-        super().__init__()
-        self.model, self.argument, self.keeps_logits = model, argument, keeps_logits
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache_position: torch.Tensor,
-        caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        extra: dict[str, Any] = {self.argument: step_cache(caches, cache_position)}
-        if self.keeps_logits:
-            extra["logits_to_keep"] = 1
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            **extra,
-        )
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        last: torch.Tensor = logits[:, -1:]
-        return last
 
 
 def trace_step(
@@ -113,22 +92,21 @@ def trace_step(
     *,
     kind: StepKind,
     rows: int,
+    floor: tuple[int, ...] = (),
 ) -> StepVariant:
     """The step of ``kind`` over lanes of ``rows`` rows traced and split along ``leader``'s
     borders. The model is traced on its own tensors where they share one device, else on
     ``meta`` views of them. The model is left as it was."""
-    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-    step = _Step(model, argument, keeps)
     place = model_device(model)
-    tokens = 1 if kind == "decode" else 3
-    example = _example(layout, rows, tokens, place or torch.device("meta"))
+    form = step_form(model, layout, argument, kind, rows, place or torch.device("meta"))
+    example = form.example
     view: AbstractContextManager[Any] = (
         nullcontext() if place is not None else meta_view(model, live=True)
     )  # a tensor a replica's gradient hooks hold is swapped and back, nothing runs backward
     with preserved(model), view, _quiet():
         try:
             program = torch.export.export(
-                step, example, strict=False, dynamic_shapes=_dynamic(layout, rows, tokens)
+                form.module, example, strict=False, dynamic_shapes=form.dynamic
             )
         except Exception as e:
             raise ConfigError(
@@ -140,18 +118,21 @@ def trace_step(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not properly registered")
             unlifted = program.module()
-    gm = _flat(unlifted)
+    gm = _flat(unlifted, form.inputs, form.small)
     if place is None:
         fill_meta_constants(gm, [leader.graph_module], model)
     if any(n.meta.get(REPLICATED, False) for n in leader.graph_module.graph.nodes):
         replicate_shared_weights(gm)  # each process holds its copy: no weight is ever sent
-    example_values = tuple(chain(example[:4], example[4]))
+    caches = example[form.inputs] if len(example) > form.inputs else []
+    example_values = tuple(chain(example[: form.inputs], caches))
     try:
         costs = estimate_costs(gm, example_values, mode="roofline", device=leader.devices[0])
     except ValueDependentError:
         costs = borrowed_costs(gm, leader.costs)
     g = to_networkx(gm, costs)
-    stage_of = _caches_beside_attention(gm, follow_borders(leader, gm, g))
+    stage_of = _caches_beside_attention(gm, follow_borders(leader, gm, g), form.inputs)
+    if floor:
+        stage_of = _caches_at(gm, stage_of, form.inputs, floor)
     plan = build_plan(
         gm, costs, g,
         Partition(stage_of, 0.0, "follow", 0.0, "direct"),  # caches go to their stage only
@@ -159,19 +140,21 @@ def trace_step(
     )  # fmt: skip
     split = split_stages(plan, unlifted._out_spec, traffic="direct")
     place_constants(split.modules, plan.devices, model)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][len(STEP_INPUTS) :]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][form.inputs :]
     cache_stage = tuple(_reader(split, name) for name in names)
-    return StepVariant(kind, rows == 1, plan, split, cache_stage)
+    return StepVariant(kind, rows == 1, plan, split, cache_stage, form.inputs)
 
 
-def _caches_beside_attention(gm: fx.GraphModule, stage_of: dict[str, int]) -> dict[str, int]:
+def _caches_beside_attention(
+    gm: fx.GraphModule, stage_of: dict[str, int], inputs: int
+) -> dict[str, int]:
     """``stage_of`` with what a layer computes from its keys' cache alone, or from its
     values' alone (the in-place write, its views, a copy repeating heads), moved to the stage
     of the first nodes that read both (the attention): a border of the first plan between a
     layer's key and value projections would otherwise send the whole cache over it every
     step, where now the step's new keys or values cross it."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    caches = placeholders[len(STEP_INPUTS) :]
+    caches = placeholders[inputs:]
     out = dict(stage_of)
     for keys, values in zip(caches[0::2], caches[1::2], strict=True):
         from_keys, from_values = _downstream(keys), _downstream(values)
@@ -183,6 +166,37 @@ def _caches_beside_attention(gm: fx.GraphModule, stage_of: dict[str, int]) -> di
         target = min(out[n.name] for n in readers)
         for n in alone:
             out[n.name] = max(out[n.name], target)
+    return out
+
+
+def _caches_at(gm: fx.GraphModule, stage_of: dict[str, int], inputs: int,
+               floor: tuple[int, ...]) -> dict[str, int]:  # fmt: skip
+    """``stage_of`` with each cache tensor's readers on stage ``floor[i]`` at least (the
+    stage an earlier variant keeps it on) and every later node no earlier than its inputs:
+    where the first plan's border cuts a cross-attention between its query and its key and
+    value projections, the step that computes the keys and values from the encoder's output
+    runs the attention on the projections' stage, and the steps that read them from the
+    cache must too. ConfigError where that would move a node away from a weight it reads."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = dict(stage_of)
+    for cache, stage in zip(placeholders[inputs:], floor, strict=True):
+        for n in _downstream(cache):
+            out[n.name] = max(out[n.name], stage)
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        before = [out[a.name] for a in n.all_input_nodes if a.op != "get_attr"]
+        out[n.name] = max([out[n.name], *before])
+        weights = [
+            a for a in n.all_input_nodes if a.op == "get_attr" and out[a.name] != out[n.name]
+        ]
+        if weights and out[n.name] != stage_of[n.name]:
+            raise ConfigError(
+                f"pipelined generate() would run {n.name} on stage {out[n.name]}, away from "
+                f"the weight {weights[0].target} on stage {out[weights[0].name]}, to keep a "
+                "cache where another step keeps it; call the model's own generate() on one "
+                "device"
+            )
     return out
 
 
@@ -209,7 +223,7 @@ def _reader(program: StageProgram, name: str) -> int:
     return readers[0]
 
 
-def _flat(unlifted: nn.Module) -> fx.GraphModule:
+def _flat(unlifted: nn.Module, inputs: int, small: tuple[int, ...]) -> fx.GraphModule:
     """The exported module with one placeholder per input leaf, its guard call dropped, one
     ``get_attr`` per tensor object (a tied head reads the embedding's) and every shape query
     read in several places copied per reader (so that one layer's cache length read by
@@ -222,19 +236,21 @@ def _flat(unlifted: nn.Module) -> fx.GraphModule:
             graph.erase_node(node)
     gm = fx.GraphModule(unlifted, graph, "GenerationStep")
     merge_aliased_attributes(gm)
-    _sizes_off_caches(gm)
+    _sizes_off_caches(gm, inputs, small)
     replicate_shape_queries(gm)
     gm.recompile()
     return gm
 
 
-def _sizes_off_caches(gm: fx.GraphModule) -> None:
-    """Read every size the step takes from a cache tensor (its rows, its length) off the
-    first inputs instead (input_ids, the mask), where they have that size: torch.export
-    reads a size shared by many inputs from any one of them, and a stage that read a
-    later layer's cache for it would pull that cache onto its device."""
+def _sizes_off_caches(gm: fx.GraphModule, inputs: int, small: tuple[int, ...]) -> None:
+    """Read every size the step takes from a cache tensor (its rows, its length) or from
+    the encoder's output off the ``small`` inputs instead (input_ids, the masks), where
+    they have that size: torch.export reads a size shared by many inputs from any one of
+    them, and a stage that read a later layer's cache for it would pull that cache onto
+    its device (and a decode step that read the encoder's output would be sent it)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    firsts, caches = placeholders[: len(STEP_INPUTS)], set(placeholders[len(STEP_INPUTS) :])
+    firsts = [placeholders[i] for i in small]
+    caches = set(placeholders) - set(firsts)
     for node in gm.graph.nodes:
         if node.target is not torch.ops.aten.sym_size.int or node.args[0] not in caches:
             continue
@@ -253,32 +269,6 @@ def _same_size(a: Any, b: Any) -> bool:
     if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
         return bool(a.node.expr == b.node.expr)
     return False
-
-
-def _example(layout: CacheLayout, rows: int, tokens: int, device: torch.device) -> tuple[Any, ...]:
-    """Zero-valued step inputs of ``rows`` rows, ``tokens`` new tokens, a cache of 8."""
-    length = 8
-    ids = torch.zeros((rows, tokens), dtype=torch.long, device=device)
-    mask = torch.ones((rows, length), dtype=torch.long, device=device)
-    position = torch.arange(tokens, device=device).expand(rows, tokens).contiguous()
-    caches = [
-        torch.zeros((rows, layer.heads, length, dim), dtype=layer.dtype, device=device)
-        for layer in layout.layers
-        for dim in (layer.key_dim, layer.value_dim)
-    ]
-    return ids, mask, position, torch.arange(tokens, device=device), caches
-
-
-def _dynamic(layout: CacheLayout, rows: int, tokens: int) -> tuple[Any, ...]:
-    """torch.export's dynamic dims, one named size each: rows (unless one), tokens (unless
-    one), the cache's length (shared by the mask and every layer's keys and values)."""
-    dim = torch.export.Dim
-    r = {0: dim("rows", min=2)} if rows > 1 else {}
-    t = dim("tokens", min=2) if tokens > 1 else None
-    length = dim("length", min=2)
-    ids = {**r, 1: t} if t is not None else r
-    caches = [{**r, 2: length} for _ in range(2 * len(layout.layers))]
-    return (ids, {**r, 1: length}, ids, {0: t} if t is not None else {}, caches)
 
 
 @contextlib.contextmanager

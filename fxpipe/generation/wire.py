@@ -33,7 +33,7 @@ __all__ = [
 #: A message's command: a lane's step, the end of the call, a stage's error on its way back.
 STOP, STEP, ERROR = 0, 1, 2
 #: The header's fields, in order.
-_FIELDS = ("command", "lane", "kind", "one_row", "rows", "length", "seen", "count")
+_FIELDS = ("command", "lane", "kind", "one_row", "rows", "length", "seen", "source", "count")
 #: Manifest columns per value: its kind, its number of dimensions, up to 8 sizes.
 _WIDTH, _MAX_DIMS = 10, 8
 #: Values whose manifest rows travel in the header's send (the rest in one more).
@@ -48,9 +48,10 @@ _INT, _FLOAT, _BOOL, _NONE = -1, -2, -3, -4
 
 @dataclass(frozen=True)
 class Message:
-    """One message: a command, the lane, the step (prefill 0 or decode 1, for lanes of one
-    row or not), its rows, the cache's length, the positions written before it, and values
-    in an order both sides know (``count`` of them)."""
+    """One message: a command, the lane, the step (prefill 0, decode 1 or an encoder's 2, for
+    lanes of one row or not), its rows, the cache's length, the positions written before it,
+    the encoder's length (an encoder-decoder's cross-attention cache; else 0), and values in
+    an order both sides know (``count`` of them)."""
 
     command: int
     lane: int = 0
@@ -59,6 +60,7 @@ class Message:
     rows: int = 0
     length: int = 0
     seen: int = 0
+    source: int = 0
     values: tuple[Any, ...] = field(default=())
 
 

@@ -225,19 +225,6 @@ def test_a_model_with_recurrent_state_is_refused_with_what_to_do() -> None:
     assert "own generate()" in str(e.value)
 
 
-def test_an_encoder_decoder_is_refused_and_never_run_unpipelined() -> None:
-    config = transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
-        pad_token_id=0,
-    )  # fmt: skip
-    model = transformers.T5ForConditionalGeneration(config).eval()
-    ids, _ = prompts()
-    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"decoder_input_ids": ids})
-    with forward_forbidden(model), pytest.raises(ConfigError, match="encoder-decoder"):
-        pipe.generate(ids, max_new_tokens=3)
-
-
 def test_a_cache_over_the_memory_budget_is_refused_and_fewer_rows_per_lane_fit() -> None:
     import dataclasses
 

@@ -124,3 +124,35 @@ def _refused(rank: int, world: int) -> str:
 def test_stages_per_rank_are_refused_on_every_rank_with_the_remedy(tmp_path: Path) -> None:
     for text in results(launch(_refused, 2, tmp_path)):
         assert "2 stages per rank" in text and "stages_per_rank=1" in text, text
+
+
+def _seq2seq(rank: int, world: int) -> dict[str, Any]:
+    """A T5's tokens generated on ``world`` ranks (greedy on 1 and 2 lanes, beam search)
+    and alone."""
+    from tests.generation.test_driver_seq2seq import built, source, t5, unpipelined_forbidden
+
+    model = built(t5)
+    ids, mask = source(model, rows=6)
+    want = {
+        "greedy": model.generate(ids, attention_mask=mask, max_new_tokens=6),
+        "beams": model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2),
+    }
+    example = {"attention_mask": mask, "decoder_input_ids": ids[:, :3]}
+    pipe = fd.pipeline_schedule(model, ids, example_kwargs=example, n_microbatches=1,
+                                loss_fn=None)  # fmt: skip
+    got = {}
+    with unpipelined_forbidden(model):
+        for n in (1, 2):
+            got[f"greedy, lanes={n}"] = pipe.generate(
+                ids, attention_mask=mask, max_new_tokens=6, lanes=n, sequences_per_lane=3
+            )
+        got["beams"] = pipe.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2)
+    return {"want": want, "got": got, "sent weights": _sent_weights(pipe)}
+
+
+def test_an_encoder_decoder_generates_its_own_tokens_on_two_ranks(tmp_path: Path) -> None:
+    for rank, run in enumerate(results(launch(_seq2seq, 2, tmp_path))):
+        for key, out in run["got"].items():
+            expected = run["want"]["beams" if key == "beams" else "greedy"]
+            assert torch.equal(out, expected), (rank, key, out, expected)
+        assert len(run["got"]) == 3 and run["sent weights"] == [], (rank, run)

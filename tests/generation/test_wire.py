@@ -34,7 +34,7 @@ def _values() -> tuple[Any, ...]:
 
 def _job(rank: int, world: int) -> list[Message]:
     cpu = torch.device("cpu")
-    sent = [Message(STEP, 3, 1, 0, 5, 11, 4, _values()), Message(STOP)]
+    sent = [Message(STEP, 3, 1, 0, 5, 11, 4, 9, _values()), Message(STOP)]
     if rank == 0:
         for message in sent:
             send_message(message, 1, None, cpu)
