@@ -1,6 +1,7 @@
 """pipe.generate() on encoder-decoders (T5, BART): the encoder run once per group through the
 stages, the decoder's steps with each stage's self- and cross-attention caches, against
-model.generate on the unpipelined model token for token; Seq2SeqTrainer's evaluation."""
+model.generate on the unpipelined model token for token (float32 and bfloat16);
+Seq2SeqTrainer's evaluation."""
 
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ def pipelined(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, stages: i
     return fxpipe.pipeline(model, ids, ["cpu"] * stages, example_kwargs=example)
 
 
-@pytest.mark.parametrize("make", [t5, bart], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    ("make", "dtype"), [(t5, torch.float32), (bart, torch.bfloat16)], ids=["t5", "bart-bf16"]
+)
 def test_greedy_and_beam_search_equal_model_generate_token_for_token(
-    make: Callable[..., nn.Module],
+    make: Callable[..., nn.Module], dtype: torch.dtype
 ) -> None:
-    model = built(make)
+    model = built(make).to(dtype)  # transformers' own kernels in bfloat16 as in float32
     ids, mask = source(model)
     greedy = model.generate(ids, attention_mask=mask, max_new_tokens=8)
     beams = model.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3)
