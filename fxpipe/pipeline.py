@@ -111,7 +111,8 @@ class Pipeline(DropIn):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """``model.generate(...)`` through the stages: each stage keeps its own layers'
         key/value cache on its device, and ``lanes`` groups of ``sequences_per_lane`` rows
-        are in flight at once (:mod:`fxpipe.generation`); the model's forward does not
+        are in flight at once, long prompts in steps of ``prefill_chunk`` tokens
+        (:mod:`fxpipe.generation`); the model's forward does not
         generate (it runs once, over two positions, to learn each layer's cache). Greedy
         search and beam search give the model's own tokens."""
         if self._generator is None:

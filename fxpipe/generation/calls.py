@@ -12,7 +12,7 @@ import torch
 from fxpipe.errors import ConfigError
 from fxpipe.generation.step import StepKind
 
-__all__ = ["StepCall", "decoder_call", "seq2seq_call", "encoder_call"]
+__all__ = ["StepCall", "decoder_call", "seq2seq_call", "encoder_call", "chunked"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,29 @@ def decoder_call(cache: Any, kwargs: dict[str, Any]) -> StepCall:
     values = [ids, whole, position.contiguous(), positions, *cache.tensors]
     kind: StepKind = "prefill" if tokens > 1 else "decode"
     return StepCall(kind, rows, cache.seen + tokens, values)
+
+
+def chunked(call: StepCall, tokens: int) -> list[StepCall]:
+    """A decoder-only prefill ``call`` as steps of at most ``tokens`` prompt tokens each (2
+    at least: a step of one token is a decode step), in order: each writes its positions of
+    the cache, its mask ends at its last token, and the last one's logits are the call's;
+    any other call, or ``tokens`` 0, as it is."""
+    ids, whole, position, positions, *caches = call.values
+    count = int(ids.shape[1])
+    if call.kind != "prefill" or tokens == 0 or count <= tokens:
+        return [call]
+    cuts = list(range(0, count, tokens))
+    if count - cuts[-1] < 2:  # a last piece of one token joins the one before
+        cuts.pop()
+    ends = [*cuts[1:], count]
+    start = call.seen - count
+    out = []
+    for a, b in zip(cuts, ends, strict=True):
+        mask = whole.clone()
+        mask[:, start + b :] = 0
+        values = [ids[:, a:b], mask, position[:, a:b].contiguous(), positions[a:b], *caches]
+        out.append(StepCall("prefill", call.rows, start + b, values))
+    return out
 
 
 def seq2seq_call(cache: Any, kwargs: dict[str, Any]) -> StepCall:

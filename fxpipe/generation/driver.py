@@ -37,7 +37,7 @@ from fxpipe.generation.cache import (
     lane_cache,
     probe_layout,
 )
-from fxpipe.generation.calls import decoder_call, encoder_call, seq2seq_call
+from fxpipe.generation.calls import chunked, decoder_call, encoder_call, seq2seq_call
 from fxpipe.generation.request import Request, resolve_request
 from fxpipe.generation.ring import Ring
 from fxpipe.generation.step import StepKind, StepVariant, trace_step
@@ -236,7 +236,7 @@ class Generator:
         local = threading.local()
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            return self._step(local.lane, local.ring, argument, args, kwargs)
+            return self._step(local.lane, local.ring, argument, args, kwargs, request.chunk)
 
         def encode(*args: Any, **kwargs: Any) -> Any:
             return self._encode(local.lane, local.ring, args, kwargs)
@@ -291,9 +291,11 @@ class Generator:
         argument: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        chunk: int = 0,
     ) -> Any:
-        """One forward of ``generate``'s loop for ``lane``: its new tokens through the stages,
-        written into its rows of the cache; the logits of each row's last position."""
+        """One forward of ``generate``'s loop for ``lane``: its new tokens through the stages
+        (a prompt in steps of ``chunk`` tokens at most), written into its rows of the cache;
+        the logits of each row's last position."""
         from transformers.modeling_outputs import CausalLMOutputWithPast, Seq2SeqLMOutput
 
         if args:
@@ -301,10 +303,11 @@ class Generator:
         cache = kwargs.pop(argument)
         seq2seq = "encoder_outputs" in kwargs
         call = seq2seq_call(cache, kwargs) if seq2seq else decoder_call(cache, kwargs)
-        variant = self.variant(call.kind, call.rows)
         device = call.values[0].device
-        logits = self._through(ring, lane, variant, call.values, cache).to(device)
-        cache.seen = call.seen
+        for part in chunked(call, chunk):
+            variant = self.variant(part.kind, part.rows)
+            logits = self._through(ring, lane, variant, part.values, cache).to(device)
+            cache.seen = part.seen
         output = Seq2SeqLMOutput if seq2seq else CausalLMOutputWithPast
         return output(logits=logits, **{argument: cache})
 

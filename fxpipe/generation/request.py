@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError, InputError
 
-__all__ = ["REFUSED", "Request", "resolve_request", "lanes_and_rows"]
+__all__ = ["REFUSED", "Request", "resolve_request", "lanes_and_rows", "prefill_tokens"]
 
 #: ``generate`` options pipelined generation does not run, each with why.
 REFUSED: Mapping[str, str] = {
@@ -45,6 +45,8 @@ class Request:
     groups: tuple[tuple[int, int], ...]
     #: An encoder-decoder: ``ids`` are the encoder's, ``length`` the decoder's.
     seq2seq: bool = False
+    #: Prompt tokens a prefill step takes at most (longer prompts go in chunks); 0: all.
+    chunk: int = 0
 
     @property
     def source(self) -> int:
@@ -77,6 +79,7 @@ def resolve_request(
                 f"config's decoder_start_token_id; leave {name} out"
             )
     lanes, per_lane = kwargs.pop("lanes", "auto"), kwargs.pop("sequences_per_lane", None)
+    chunk = kwargs.pop("prefill_chunk", "auto")
     for name, why in REFUSED.items():
         if kwargs.get(name) is not None:
             raise ConfigError(f"generate({name}=...) is not run by a pipeline: {why}")
@@ -107,7 +110,8 @@ def resolve_request(
         )
     expand = max(int(gc.num_beams or 1), int(gc.num_return_sequences or 1))
     length = _length(gc, 1 if seq2seq else ids.shape[1])  # a decoder starts from one token
-    return Request(ids, gc, model_kwargs, expand, length, lanes, per_lane, groups, seq2seq)
+    chunk = prefill_tokens(chunk, per_lane * expand, lanes)
+    return Request(ids, gc, model_kwargs, expand, length, lanes, per_lane, groups, seq2seq, chunk)
 
 
 def _prompt(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -130,6 +134,29 @@ def _length(gc: Any, prompt: int) -> int:
     if gc.max_new_tokens is not None:
         return prompt + int(gc.max_new_tokens)
     return max(int(gc.max_length), prompt + 1)
+
+
+#: Rows times prompt tokens a prefill step of ``prefill_chunk="auto"`` takes at most.
+CHUNK_BUDGET = 512
+
+
+def prefill_tokens(chunk: Any, rows: int, lanes: int) -> int:
+    """Prompt tokens a prefill step takes at most (0: the whole prompt at once):
+    ``"auto"``, with several lanes, keeps each step near :data:`CHUNK_BUDGET` rows times
+    tokens, so a long prompt of many rows goes in chunks that let the other lanes' steps
+    through between them (a lane's first step otherwise holds each stage for as long as the
+    whole prompt, and the stages after it wait); with one lane there is nothing to let
+    through, and the prompt goes in one step, as with ``None``."""
+    if chunk is None:
+        return 0
+    if chunk == "auto":
+        return max(2, CHUNK_BUDGET // rows) if lanes > 1 else 0
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 2:
+        raise ConfigError(
+            f"prefill_chunk={chunk!r}: give an int of 2 or more (prompt tokens a step takes), "
+            "'auto' or None (each prompt in one step)"
+        )
+    return chunk
 
 
 def lanes_and_rows(

@@ -132,6 +132,34 @@ def test_greedy_and_beam_search_equal_model_generate_token_for_token(
     assert all(b > 0 for b in run.cache_bytes), run  # each stage holds layers' caches
 
 
+@pytest.mark.parametrize("make", [llama, gemma3], ids=lambda f: f.__name__)
+def test_prompts_in_chunks_give_the_model_own_tokens(
+    make: Callable[..., nn.Module], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fxpipe.generation import Generator
+
+    model = built(make)  # gemma3: a sliding window of 4, shorter than a chunk's reach
+    ids, mask = prompts(rows=5, length=9)
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=6)
+    beams = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2)
+    pipe = fxpipe.pipeline(model, ids, ["cpu"] * 2, example_kwargs={"attention_mask": mask})
+    steps: list[int] = []
+    through = Generator._through
+
+    def counted(self: Any, ring: Any, lane: int, variant: Any, values: Any, cache: Any) -> Any:
+        steps.append(int(values[0].shape[1]))
+        return through(self, ring, lane, variant, values, cache)
+
+    monkeypatch.setattr(Generator, "_through", counted)
+    with forward_forbidden(model):
+        out = pipe.generate(ids, attention_mask=mask, max_new_tokens=6, lanes=2, prefill_chunk=4)
+        assert torch.equal(out, greedy)
+        assert steps.count(4) == 2 and steps.count(5) == 2, steps  # 9 tokens: 4, then 5
+        out = pipe.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=2,
+                            prefill_chunk=2)  # fmt: skip
+        assert torch.equal(out, beams)
+
+
 def test_in_bfloat16_with_grouped_experts_the_tokens_are_the_model_own() -> None:
     model = built(mixtral).to(torch.bfloat16)  # transformers' grouped experts in bfloat16
     ids, mask = prompts()

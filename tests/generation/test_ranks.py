@@ -1,9 +1,10 @@
 """generate() one process per stage (fxpipe.distributed's pipelines, gloo on the CPU) against
 model.generate on the unpipelined model: greedy and beam search token for token with left
-padding and mixed prompt lengths, 1, 2 and 3 lanes over 2 and 3 ranks, a middle process
-handing steps on, a ("pp", "dp") mesh whose replicas generate their own prompts; every rank
-returns the tokens; an error on the first rank is raised on every rank and leaves the ring
-ready for the next call; what is not run is refused on every rank."""
+padding and mixed prompt lengths, prompts in chunks, 1, 2 and 3 lanes over 2 and 3 ranks,
+a middle process handing steps on, a ("pp", "dp") mesh whose replicas generate their own
+prompts, an encoder-decoder (T5); every rank returns the tokens; an error on the first
+rank is raised on every rank and leaves the ring ready for the next call; what is not run
+is refused on every rank."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def _job(
     with forward_forbidden(model):
         for n in lanes:
             got[f"greedy, lanes={n}"] = pipe.generate(
-                ids, attention_mask=mask, max_new_tokens=6, lanes=n
-            )
+                ids, attention_mask=mask, max_new_tokens=6, lanes=n, prefill_chunk=3
+            )  # 7 prompt tokens: steps of 3 and 4 (each process told how many are written)
         if full:
             got["beams"] = pipe.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=3)
             try:  # refused at home: raised on every rank, the ring left as it was

@@ -29,3 +29,16 @@ def test_auto_lanes_are_one_per_device_the_stages_span_and_one_when_sampling() -
     assert lanes_and_rows(4, 3, 5, 1, greedy) == (2, 3)  # no more lanes than groups
     with pytest.raises(ConfigError, match="lanes=0"):
         lanes_and_rows(0, None, 5, 1, greedy)
+
+
+def test_prompts_go_in_chunks_only_where_other_lanes_can_pass_between_them() -> None:
+    from fxpipe.generation.request import CHUNK_BUDGET, prefill_tokens
+
+    assert prefill_tokens("auto", 32, lanes=2) == CHUNK_BUDGET // 32
+    assert prefill_tokens("auto", 4 * CHUNK_BUDGET, lanes=3) == 2  # a step of one is a decode
+    assert prefill_tokens("auto", 32, lanes=1) == 0  # nothing would pass: the prompt at once
+    assert prefill_tokens(None, 32, lanes=2) == 0
+    assert prefill_tokens(5, 32, lanes=1) == 5  # asked for
+    for bad in (1, True, "4"):
+        with pytest.raises(ConfigError, match="prefill_chunk"):
+            prefill_tokens(bad, 32, lanes=2)
