@@ -22,15 +22,19 @@ Rows (the issue's targets):
    one alone in the same rounds (the same matrix products, one OpenMP thread each; the
    median over rounds), which no design of lanes gets past; and its *split* bound, the
    stages' summed busy time over the busiest stage's in a recorded one-lane run (lanes
-   overlap the stages, so they reach at most that on this split); the line under the table
-   is the first bound for two processes, once, at the start;
+   overlap the stages, so they reach at most that on this split); and its *work* bound, the
+   one-lane time over the busiest stage's busy time in the variant's own run (lanes cut the
+   rows, so each stage's work grows: every lane's step reads every weight, and the stages
+   compute beside each other: what that variant reaches if no stage ever waited); the
+   line under the table is the first bound for two processes, once, at the start;
 2. processes: the same two rows one process per stage (``fxpipe.distributed``'s pipeline,
    2 gloo ranks of one thread each, ``generate`` on both, timed on rank 0): ``lanes=2`` over
    ``lanes=1`` with 64 prompts (target 1.7x) and with 4 (target 0.95x; ``lanes="auto"``
    there too: one lane, as 4 rows a lane are the fewest it gives a lane), and the crossover
    (2 to 16 sequences per lane); the bound column is
-   the two-process line under the table, the split bound each rank's busy time (its stage's
-   modules timed) in a one-lane run;
+   the two-process line under the table, the split and work bounds from each rank's busy
+   time (its stage's modules timed) in the timed runs, per round; ``lanes=2, prompts
+   whole`` (``prefill_chunk=None``) shows what sending each prompt in chunks gains;
 3. overhead: ``pipe.generate(lanes=1)`` over ``model.generate`` with its own cache (one
    thread, the model on one device), 64 x 64 (target 0.9x);
 4. against today's path: over ``model.generate`` with ``use_cache=False`` (what a
@@ -102,16 +106,13 @@ def _case(spec: dict[str, Any]) -> dict[str, Any]:
     runs = {
         "model.generate": lambda: model.generate(ids, use_cache=True, **kwargs),
         "model.generate(use_cache=False)": lambda: model.generate(ids, **kwargs),
-        "lanes=1": lambda: pipe.generate(ids, lanes=1, **kwargs),
-        "lanes=2": lambda: pipe.generate(ids, lanes=2, **kwargs),
-        "lanes=auto": lambda: pipe.generate(ids, **kwargs),
-    }
+        **{name: (lambda name=name: pipe.generate(ids, **_lanes(name), **kwargs))
+           for name in spec["variants"] if name.startswith("lanes")},
+    }  # fmt: skip
     variants = spec["variants"]
     for name in variants:  # traces each step variant once, outside the timing
         if name.startswith("lanes"):
-            lanes = name.removeprefix("lanes=")
-            lanes_value = lanes if lanes == "auto" else int(lanes)
-            pipe.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=2, lanes=lanes_value)
+            pipe.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=2, **_lanes(name))
     times: dict[str, list[float]] = {n: [] for n in variants}
     outputs: dict[str, Any] = {}
     bounds = []
@@ -124,14 +125,28 @@ def _case(spec: dict[str, Any]) -> dict[str, Any]:
         bounds.append(_threads_bound())
     first = outputs[variants[0]]
     equal = all(torch.equal(o, first) for o in outputs.values())
-    split = None
+    split, work = None, {}
     if "lanes=1" in variants:  # each stage's busy time with one lane: what the split allows
-        with fxpipe.record(pipe) as timeline:
-            runs["lanes=1"]()
-        busy = [sum(t.end - t.start for t in timeline.tasks if t.j == j) for j in range(2)]
-        split = sum(busy) / max(busy)
+        for name in [n for n in variants if n.startswith("lanes")]:
+            with fxpipe.record(pipe) as timeline:
+                runs[name]()
+            busy = [sum(t.end - t.start for t in timeline.tasks if t.j == j) for j in range(2)]
+            work[name] = statistics.median(times["lanes=1"]) / max(busy)
+            if name == "lanes=1":
+                split = sum(busy) / max(busy)
     return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
-            "bound": statistics.median(bounds), "split_bound": split}  # fmt: skip
+            "bound": statistics.median(bounds), "split_bound": split,
+            "work_bound": work}  # fmt: skip
+
+
+def _lanes(name: str) -> dict[str, Any]:
+    """``generate``'s lanes options of a variant's name: ``lanes=N`` or ``lanes=auto``,
+    ``, prompts whole`` for ``prefill_chunk=None``."""
+    lanes, _, rest = name.removeprefix("lanes=").partition(",")
+    out: dict[str, Any] = {"lanes": lanes if lanes == "auto" else int(lanes)}
+    if rest.strip() == "prompts whole":
+        out["prefill_chunk"] = None
+    return out
 
 
 def _ranks_case(spec: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +155,15 @@ def _ranks_case(spec: dict[str, Any]) -> dict[str, Any]:
     from each rank's busy time (its stage's modules timed) in one one-lane run."""
     found = gather_ranks(_rank, spec)
     (first,) = [f for f in found if f["rank"] == 0]
-    busy = [f["busy"] for f in sorted(found, key=lambda f: f["rank"])]
-    first["split_bound"] = sum(busy) / max(busy)
+    ranks = sorted(found, key=lambda f: f["rank"])
+    times = first["times"]
+    busy = {n: [[f["busy"][n][r] for f in ranks] for r in range(len(times[n]))] for n in times}
+    if "lanes=1" in times:
+        first["split_bound"] = statistics.median(sum(b) / max(b) for b in busy["lanes=1"])
+        first["work_bound"] = {
+            n: statistics.median(t1 / max(b) for t1, b in zip(times["lanes=1"], busy[n]))
+            for n in times
+        }
     first["busy"] = busy
     first["ranks"] = True
     return first  # type: ignore[no-any-return]
@@ -174,43 +196,56 @@ def _rank_times(rank: int, port: int, spec: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     variants = spec["variants"]
 
-    def lanes(name: str) -> Any:
-        value = name.removeprefix("lanes=")
-        return value if value == "auto" else int(value)
-
     for name in variants:  # traces each step variant once, outside the timing
-        pipe.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=2, lanes=lanes(name))
+        pipe.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=2, **_lanes(name))
+    busy = _stage_timers(pipe)
     times: dict[str, list[float]] = {n: [] for n in variants}
     outputs: dict[str, Any] = {}
     for r in range(spec["rounds"]):
         for name in variants if r % 2 == 0 else variants[::-1]:
             dist.barrier()
+            busy.label = (name, r)
             start = time.perf_counter()
-            out = pipe.generate(ids, lanes=lanes(name), **kwargs)
+            out = pipe.generate(ids, **_lanes(name), **kwargs)
             times[name].append(time.perf_counter() - start)
             outputs.setdefault(name, out)
     if rank == 0:  # the model alone, built again (this rank's holds only its stage)
         want = _model_and_prompts(spec["rows"])[0].generate(ids, use_cache=True, **kwargs)
     equal = rank != 0 or all(torch.equal(o, want) for o in outputs.values())
-    busy = [0.0]
+    dist.destroy_process_group()
+    per_round = {n: [busy.seconds.get((n, r), 0.0) for r in range(spec["rounds"])]
+                 for n in variants}  # fmt: skip
+    return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
+            "busy": per_round}  # fmt: skip
+
+
+class _StageTimer:
+    """Seconds this process's stage modules ran, per label (the variant and round)."""
+
+    def __init__(self) -> None:
+        self.label: Any = None
+        self.seconds: dict[Any, float] = {}
+
+
+def _stage_timers(pipe: Any) -> _StageTimer:
+    """Every step variant's module of this rank's stage timed into one :class:`_StageTimer`."""
+    timer = _StageTimer()
     generator = pipe._generator
     assert generator is not None
     stage = generator.stage
-    for v in generator.variants:  # this rank's stage timed, in one one-lane run
+    for v in generator.variants:
         module = v.program.modules[stage]
 
         def timed(*args: Any, _forward: Any = module.forward) -> Any:
             start = time.perf_counter()
             out = _forward(*args)
-            busy[0] += time.perf_counter() - start
+            timer.seconds[timer.label] = (
+                timer.seconds.get(timer.label, 0.0) + time.perf_counter() - start
+            )
             return out
 
         module.forward = timed
-    dist.barrier()
-    pipe.generate(ids, lanes=1, **kwargs)
-    dist.destroy_process_group()
-    return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
-            "busy": busy[0]}  # fmt: skip
+    return timer
 
 
 def _threads_bound() -> float:
@@ -367,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.startswith("lanes=") and a != "lanes=1" else None,
             "split_bound": case["split_bound"] if a.startswith("lanes=") and a != "lanes=1"
             else None,
+            "work_bound": case.get("work_bound", {}).get(a) if a.startswith("lanes=2") else None,
         })  # fmt: skip
 
     main_case = _run({"rows": rows, "new": new, "rounds": rounds,
@@ -376,9 +412,11 @@ def main(argv: list[str] | None = None) -> int:
                   "variants": ["lanes=1", "lanes=2", "lanes=auto"]})  # fmt: skip
     row(f"lanes, 4 prompts x {new}", small, "lanes=2", "lanes=1", 0.95)
     row(f"lanes, 4 prompts x {new}", small, "lanes=auto", "lanes=1", 0.95)
+    whole = "lanes=2, prompts whole"
     ranked = _run({"ranks": True, "rows": rows, "new": new, "rounds": rounds,
-                   "variants": ["lanes=1", "lanes=2"]})  # fmt: skip
+                   "variants": ["lanes=1", "lanes=2", whole]})  # fmt: skip
     row(f"2 processes, {rows} prompts x {new}", ranked, "lanes=2", "lanes=1", 1.7)
+    row(f"2 processes, {rows} prompts x {new}", ranked, whole, "lanes=1", None)
     ranked_small = _run({"ranks": True, "rows": 4, "new": new, "rounds": rounds + 2,
                          "variants": ["lanes=1", "lanes=2", "lanes=auto"]})  # fmt: skip
     row(f"2 processes, 4 prompts x {new}", ranked_small, "lanes=2", "lanes=1", 0.95)
@@ -405,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         ("target", lambda r: "-" if r["target"] is None else f">= {r['target']}x"),
         ("bound", lambda r: "-" if r["bound"] is None else f"{r['bound']:.2f}x"),
         ("split", lambda r: "-" if r["split_bound"] is None else f"{r['split_bound']:.2f}x"),
+        ("work", lambda r: "-" if r["work_bound"] is None else f"{r['work_bound']:.2f}x"),
         ("equal", lambda r: "yes" if r["equal"] else "NO"),
     ]
     print(format_table(table, columns, left=3))
