@@ -16,13 +16,15 @@ import pytest
 
 import fxpipe
 
-# Each test plans six zoo models twelve times over (and in three fresh processes): slow.
+# Each test plans six zoo models in two cost modes (and in two fresh processes): slow.
 pytestmark = pytest.mark.slow
 
 #: Branchy and chain-like zoo models, with keyword inputs and tied weights among them.
 MODELS = ("resnet", "unet", "inception", "transformer", "multi_io_dict", "shared_module")
 MODES = ("flops", "params")
-STAGES = (3, 4)
+#: One number of stages: an order leaking into the partition shows at any (3 and 4 were
+#: both run until the suite's time was trimmed; 4 has the more borders).
+STAGES = (4,)
 TESTS = Path(__file__).resolve().parent
 
 
