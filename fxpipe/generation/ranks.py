@@ -8,8 +8,11 @@ mask, the positions: a few numbers per row) and travels point to point (``wire.p
 to stage: each process receives what its stage and the later ones read, runs its stage with
 its own rows of its layers' cache and hands on what the later stages read; home runs the
 last stage and the lane picks its next tokens there (no logits travel). Beam search's
-reordering of a lane's rows travels with its next step. While one lane is in the first
-stages, home runs another's last stage, so with as many lanes as stages every process works.
+reordering of a lane's rows travels with its next step. An encoder-decoder's encoder step
+goes the same way (the prompts out, the encoder's output back), and its decoder's first step
+takes that output to the stages whose cross-attention layers cache what they read of it.
+While one lane is in the first stages, home runs another's last stage, so with as many lanes
+as stages every process works.
 Each process sends from a thread of its own (a send waits for the next process to take it,
 and this one goes on to the next lane's step), over the pipeline's group, home's sends to the
 first stage under a tag of their own. When the call ends home sends a STOP round the ring,
