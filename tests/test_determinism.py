@@ -16,12 +16,14 @@ import pytest
 
 import fxpipe
 
-# Each test plans six zoo models in two cost modes (and in two fresh processes): slow.
+# Each test plans six zoo models (and in two fresh processes): slow.
 pytestmark = pytest.mark.slow
 
 #: Branchy and chain-like zoo models, with keyword inputs and tied weights among them.
 MODELS = ("resnet", "unet", "inception", "transformer", "multi_io_dict", "shared_module")
-MODES = ("flops", "params")
+#: One cost mode: pricing by parameters leaves the most nodes of equal cost, so the most
+#: ties for an order to break (flops was run too until the suite's time was trimmed).
+MODES = ("params",)
 #: One number of stages: an order leaking into the partition shows at any (3 and 4 were
 #: both run until the suite's time was trimmed; 4 has the more borders).
 STAGES = (4,)

@@ -34,7 +34,7 @@ from fxpipe.ir import PipelinePlan
 from fxpipe.options import PlanOptions, RunOptions
 from fxpipe.pipeline import Pipeline
 
-EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "150"))
 SEED = os.environ.get("FXPIPE_FUZZ_SEED")
 TOLERANCE = 1e-9
 MODES = ("always", "except_last", "never")

@@ -268,9 +268,14 @@ def _hf_pipelined(
 def test_transformers_models_pipelined_and_cut_equal_eager(
     tmp_path: Path, world: int, dp: int, data_parallel: str
 ) -> None:
-    """GPT-2 (Conv1D, a fused q, k, v), Llama and Qwen2 on each mesh, one launch a mesh;
-    on the 8 ranks of 2 x 2 x 2 Llama alone (the families' cuts are the other meshes')."""
-    names = ["llama"] if world == 8 else ["gpt2", "llama", "qwen2"]
+    """GPT-2 (Conv1D, a fused q, k, v), Llama and Qwen2 at 1 x 1 x 2, one launch a mesh;
+    on the larger meshes fewer (what differs there is the mesh, not the family's cut): GPT-2
+    and Llama under FSDP, Llama alone at 2 x 1 x 2 (where
+    test_more_families_cut_at_2x1x2_equal_eager_and_say_what_they_leave_whole runs five
+    more families) and on the 8 ranks of 2 x 2 x 2."""
+    names = {2: ["gpt2", "llama", "qwen2"], 4: ["llama"] if dp == 1 else ["gpt2", "llama"]}.get(
+        world, ["llama"]
+    )
     per_rank = results(launch(_hf_cases, world, tmp_path, names=names, dp=dp,
                               data_parallel=data_parallel))  # fmt: skip
     for name, runs in zip(names, zip(*per_rank, strict=True), strict=True):
