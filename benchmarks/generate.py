@@ -125,18 +125,20 @@ def _case(spec: dict[str, Any]) -> dict[str, Any]:
         bounds.append(_threads_bound())
     first = outputs[variants[0]]
     equal = all(torch.equal(o, first) for o in outputs.values())
-    split, work = None, {}
+    split, work, step_ms = None, {}, {}
     if "lanes=1" in variants:  # each stage's busy time with one lane: what the split allows
         for name in [n for n in variants if n.startswith("lanes")]:
             with fxpipe.record(pipe) as timeline:
                 runs[name]()
-            busy = [sum(t.end - t.start for t in timeline.tasks if t.j == j) for j in range(2)]
+            took = [[t.end - t.start for t in timeline.tasks if t.j == j] for j in range(2)]
+            busy = [sum(t) for t in took]
+            step_ms[name] = [1000 * statistics.median(t) for t in took]
             work[name] = statistics.median(times["lanes=1"]) / max(busy)
             if name == "lanes=1":
                 split = sum(busy) / max(busy)
     return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
             "bound": statistics.median(bounds), "split_bound": split,
-            "work_bound": work}  # fmt: skip
+            "work_bound": work, "step_ms": step_ms}  # fmt: skip
 
 
 def _lanes(name: str) -> dict[str, Any]:
@@ -165,6 +167,16 @@ def _ranks_case(spec: dict[str, Any]) -> dict[str, Any]:
             for n in times
         }
     first["busy"] = busy
+    # each variant's median step time (ms) of each rank's stage: mostly decode steps
+    first["step_ms"] = {n: [f["step_ms"][n] for f in ranks] for n in times}
+    if "lanes=1" in times:  # the one-lane time over the busiest process's CPU time (all of
+        # its threads: its stage, home's generate loops, the messages) in the variant's run
+        first["cpu_bound"] = {
+            n: statistics.median(
+                t1 / max(f["cpu"][n][r] for f in ranks) for r, t1 in enumerate(times["lanes=1"])
+            )
+            for n in times
+        }
     first["ranks"] = True
     return first  # type: ignore[no-any-return]
 
@@ -200,14 +212,16 @@ def _rank_times(rank: int, port: int, spec: dict[str, Any]) -> dict[str, Any]:
         pipe.generate(ids[:4], attention_mask=mask[:4], max_new_tokens=2, **_lanes(name))
     busy = _stage_timers(pipe)
     times: dict[str, list[float]] = {n: [] for n in variants}
+    cpu: dict[str, list[float]] = {n: [] for n in variants}
     outputs: dict[str, Any] = {}
     for r in range(spec["rounds"]):
         for name in variants if r % 2 == 0 else variants[::-1]:
             dist.barrier()
             busy.label = (name, r)
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             out = pipe.generate(ids, **_lanes(name), **kwargs)
             times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - used)
             outputs.setdefault(name, out)
     if rank == 0:  # the model alone, built again (this rank's holds only its stage)
         want = _model_and_prompts(spec["rows"])[0].generate(ids, use_cache=True, **kwargs)
@@ -215,16 +229,19 @@ def _rank_times(rank: int, port: int, spec: dict[str, Any]) -> dict[str, Any]:
     dist.destroy_process_group()
     per_round = {n: [busy.seconds.get((n, r), 0.0) for r in range(spec["rounds"])]
                  for n in variants}  # fmt: skip
+    step_ms = {n: 1000 * statistics.median(busy.calls[n]) for n in variants}
     return {"times": times, "equal": equal, "tokens": spec["rows"] * spec["new"],
-            "busy": per_round}  # fmt: skip
+            "busy": per_round, "step_ms": step_ms, "cpu": cpu}  # fmt: skip
 
 
 class _StageTimer:
-    """Seconds this process's stage modules ran, per label (the variant and round)."""
+    """Seconds this process's stage modules ran, per label (the variant and round), and
+    each call's seconds per variant."""
 
     def __init__(self) -> None:
         self.label: Any = None
         self.seconds: dict[Any, float] = {}
+        self.calls: dict[str, list[float]] = {}
 
 
 def _stage_timers(pipe: Any) -> _StageTimer:
@@ -239,9 +256,10 @@ def _stage_timers(pipe: Any) -> _StageTimer:
         def timed(*args: Any, _forward: Any = module.forward) -> Any:
             start = time.perf_counter()
             out = _forward(*args)
-            timer.seconds[timer.label] = (
-                timer.seconds.get(timer.label, 0.0) + time.perf_counter() - start
-            )
+            took = time.perf_counter() - start
+            timer.seconds[timer.label] = timer.seconds.get(timer.label, 0.0) + took
+            if timer.label is not None:
+                timer.calls.setdefault(timer.label[0], []).append(took)
             return out
 
         module.forward = timed
@@ -403,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             "split_bound": case["split_bound"] if a.startswith("lanes=") and a != "lanes=1"
             else None,
             "work_bound": case.get("work_bound", {}).get(a) if a.startswith("lanes=2") else None,
+            "step_ms": {n: case.get("step_ms", {}).get(n) for n in (a, b)},
+            "cpu_bound": case.get("cpu_bound", {}).get(a),
         })  # fmt: skip
 
     main_case = _run({"rows": rows, "new": new, "rounds": rounds,
@@ -452,6 +472,20 @@ def main(argv: list[str] | None = None) -> int:
         f"one alone ({bound['alone_s']:.2f} s alone, "
         f"{', '.join(f'{s:.2f}' for s in bound['together_s'])} s together): the most any "
         "lanes can gain here, two stages computing at once"
+    )
+    for name, case in (("one process", small), ("2 processes", ranked_small)):
+        ms = case["step_ms"]
+        print(
+            f"4 prompts, {name}: a step's median time (ms) at stages 0 and 1: "
+            f"{'/'.join(f'{t:.1f}' for t in ms['lanes=1'])} with one lane of 4 rows, "
+            f"{'/'.join(f'{t:.1f}' for t in ms['lanes=2'])} with two lanes of 2 (both stages "
+            "at work): a step reads every weight whatever its rows, so two lanes do the "
+            "stages' work of one twice over"
+        )
+    print(
+        "4 prompts, 2 processes: cpu bound (the one-lane time over the busiest process's "
+        "CPU time, every thread, in the two-lane run) "
+        f"{ranked_small['cpu_bound']['lanes=2']:.2f}x"
     )
     print(f"\n{time.perf_counter() - started:.0f} s")
     payload = {"command": command_line(), "machine": machine_record(), "model": MODEL,
