@@ -1,18 +1,21 @@
 """generate() one process per stage (fxpipe.distributed's pipelines, gloo on the CPU) against
 model.generate on the unpipelined model: greedy and beam search token for token with left
 padding and mixed prompt lengths, prompts in chunks, 1, 2 and 3 lanes over 2 and 3 ranks,
-a middle process handing steps on, a ("pp", "dp") mesh whose replicas generate their own
-prompts, an encoder-decoder (T5); every rank returns the tokens; an error on the first
-rank is raised on every rank and leaves the ring ready for the next call; what is not run
-is refused on every rank."""
+a middle process handing steps on, a ("pp", "dp") mesh under FSDP whose replicas generate
+their own prompts (each stage gathered whole for the call; a training step and a call after
+it equal eager's), an encoder-decoder (T5); every rank returns the tokens; an error on the
+first rank is raised on every rank and leaves the ring ready for the next call; what is not
+run is refused on every rank."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import fxpipe.distributed as fd
 from fxpipe.errors import ConfigError
@@ -24,14 +27,17 @@ pytestmark = pytest.mark.slow
 preload(__name__)
 
 MAKERS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2}
+#: The step after generating under FSDP: large enough that the tokens change.
+LR = 100.0
 
 
 def _job(
     rank: int, world: int, *, name: str, layers: int, lanes: tuple[int, ...], full: bool,
-    dp: int = 1,
+    dp: int = 1, data_parallel: str = "ddp",
 ) -> dict[str, Any]:  # fmt: skip
     """What this rank's pipeline generated, and what the model generates alone; ``full``:
-    beam search, a refused call and one after it too."""
+    beam search, a refused call and one after it too. Under FSDP also a training step
+    after generating, and its loss and gradients (this rank's shards) next to eager's."""
     torch.manual_seed(0)
     model = MAKERS[name](layers=layers).eval()
     mesh, replica = None, 0
@@ -44,11 +50,14 @@ def _job(
     want = {"greedy": model.generate(ids, attention_mask=mask, max_new_tokens=6)}
     if full:
         want["beams"] = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=3)
+    sharded = data_parallel == "fsdp"
+    twin = copy.deepcopy(model)  # before the pipeline takes the model's weights
     pipe = fd.pipeline_schedule(
-        model, ids, example_kwargs={"attention_mask": mask}, n_microbatches=1, loss_fn=None,
-        mesh=mesh,
+        model, ids, example_kwargs={"attention_mask": mask}, n_microbatches=1,
+        loss_fn=_loss if sharded else None, mesh=mesh, data_parallel=data_parallel,
     )  # fmt: skip
     got: dict[str, Any] = {}
+    held = [id(t) for t in model.parameters()]  # FSDP: this rank's stage's shards
     with forward_forbidden(model):
         for n in lanes:
             got[f"greedy, lanes={n}"] = pipe.generate(
@@ -63,8 +72,44 @@ def _job(
             got["after, lanes=auto"] = pipe.generate(ids, attention_mask=mask, max_new_tokens=6)
     run = pipe.last_generation
     assert run is not None
-    return {"want": want, "got": got, "lanes": run.lanes, "cache": run.cache_bytes,
-            "sent weights": _sent_weights(pipe)}  # fmt: skip
+    out = {"want": want, "got": got, "lanes": run.lanes, "cache": run.cache_bytes,
+           "sent weights": _sent_weights(pipe),
+           "model kept": [id(t) for t in model.parameters()] == held}  # fmt: skip
+    if sharded:  # the weights sharded again: a training step still equals eager's
+        out["trained"] = _trained(pipe, twin, ids, mask, mesh)
+    return out
+
+
+def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out["logits"].flatten(0, 1), target.flatten())
+
+
+def _trained(
+    pipe: Any, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, mesh: Any
+) -> dict[str, Any]:
+    """One training step of the pipeline after generating and one of the eager model on the
+    replicas' batches: the names of this rank's gradients (gathered whole) that differ;
+    then both updated, what each generates."""
+    twin = copy.deepcopy(model).train()  # as the pipeline was built (in eval: no dropout)
+    batches = [prompts(rows=6, seed=r) for r in range(mesh.size(1))]
+    losses = [_loss(twin(i, attention_mask=m), i) for i, m in batches]
+    (sum(losses) / len(losses)).backward()
+    pipe.step(
+        *((ids,) if pipe.is_first else ()), target=ids if pipe.is_last else None,
+        **({"attention_mask": mask} if pipe.is_first else {}),
+    )  # fmt: skip
+    pipe.sync_tied_gradients()  # the tied embedding and head: each stage's copy's part
+    want = dict(twin.named_parameters())
+    wrong = []
+    for name, p in pipe.named_parameters():  # the same order on both replicas of a stage
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        if not torch.allclose(got, want[name].grad, rtol=1e-4, atol=1e-6):
+            wrong.append(name)
+    for params in (pipe.parameters(), twin.parameters()):
+        torch.optim.SGD(params, lr=LR).step()
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6}
+    return {"wrong": wrong, "got": pipe.generate(ids, **kwargs),
+            "want": twin.eval().generate(ids, **kwargs)}  # fmt: skip
 
 
 def _sent_weights(pipe: Any) -> list[str]:
@@ -83,17 +128,18 @@ def _sent_weights(pipe: Any) -> list[str]:
     [
         ("llama", 2, 2, (1, 2), True, 1),
         ("qwen2", 3, 3, (3,), False, 1),  # a middle process hands steps on
-        ("gpt2", 4, 2, (2,), False, 2),  # tied weights, replicas with their own prompts
+        # FSDP: a tied head, replicas with their own prompts, each stage gathered whole
+        ("gpt2", 4, 2, (2,), False, 2),
     ],
-    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2-mesh"],
+    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2-mesh-fsdp"],
 )
 def test_every_rank_returns_the_model_own_tokens(
     tmp_path: Path, name: str, world: int, layers: int, lanes: tuple[int, ...], full: bool,
     dp: int,
 ) -> None:  # fmt: skip
-    runs = results(
-        launch(_job, world, tmp_path, name=name, layers=layers, lanes=lanes, full=full, dp=dp)
-    )
+    data_parallel = "fsdp" if dp > 1 else "ddp"
+    job = {"name": name, "layers": layers, "lanes": lanes, "full": full, "dp": dp}
+    runs = results(launch(_job, world, tmp_path, **job, data_parallel=data_parallel))
     for rank, run in enumerate(runs):
         want, got = run["want"], run["got"]
         for key, out in got.items():
@@ -106,7 +152,14 @@ def test_every_rank_returns_the_model_own_tokens(
         if full:  # the last call's lanes="auto": 6 rows are too few for two lanes of 4
             assert run["lanes"] == 1, run
         assert run["sent weights"] == [], (rank, run["sent weights"])
+        assert run["model kept"], rank  # the model holds what it held before the calls
         assert len(run["cache"]) == world // dp and all(b > 0 for b in run["cache"]), run
+    if data_parallel == "fsdp":  # the weights sharded again, trained, gathered again
+        for rank, run in enumerate(runs):
+            trained = run["trained"]
+            assert trained["wrong"] == [], (rank, trained["wrong"])
+            assert torch.equal(trained["got"], trained["want"]), rank
+            assert not torch.equal(trained["want"], run["want"]["greedy"]), "no update shows"
 
 
 def _refused(rank: int, world: int) -> str:

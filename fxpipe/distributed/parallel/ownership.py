@@ -24,7 +24,10 @@ from fxpipe.distributed.parallel.dtensors import (
 )
 from fxpipe.ir import StageProgram
 
-__all__ = ["Ownership", "full_tensor", "is_dtensor", "local_tensor", "merge_state_dicts"]
+__all__ = [
+    "Ownership", "full_tensor", "is_dtensor", "local_tensor", "merge_state_dicts",
+    "replace_tensors",
+]  # fmt: skip
 
 
 def merge_state_dicts(shards: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -121,7 +124,7 @@ class Ownership:
                 new.setdefault(id(t), _like(t, device))
             elif t.device != device:
                 t.data = t.data.to(device)
-        _replace(roots, new)
+        replace_tensors(roots, new)
         self.tensors = {k: new.get(id(t), t) for k, t in self.tensors.items()}
         self.replicated = [
             (k, s, None if t is None else new.get(id(t), t)) for k, s, t in self.replicated
@@ -131,7 +134,7 @@ class Ownership:
     def adopt(self, new: Mapping[int, torch.Tensor], roots: Iterable[nn.Module]) -> None:
         """Put ``new[id(t)]`` (the DTensor Parameters ``fully_shard`` made) in place of the
         kept tensors ``t``, here and in every module under ``roots``."""
-        _replace(roots, new)
+        replace_tensors(roots, new)
         self.tensors = {k: new.get(id(t), t) for k, t in self.tensors.items()}
         self.replicated = [
             (k, s, None if t is None else new.get(id(t), t)) for k, s, t in self.replicated
@@ -174,7 +177,7 @@ def _like(t: torch.Tensor, device: Any) -> torch.Tensor:
     return nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
 
 
-def _replace(roots: Iterable[nn.Module], new: Mapping[int, torch.Tensor]) -> None:
+def replace_tensors(roots: Iterable[nn.Module], new: Mapping[int, torch.Tensor]) -> None:
     """Put ``new[id(t)]`` in place of every parameter or buffer ``t`` of the modules."""
     seen: set[int] = set()
     for root in roots:

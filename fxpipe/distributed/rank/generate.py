@@ -5,6 +5,8 @@ generation one process per stage does not run and hand the rest to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -13,6 +15,7 @@ from torch import nn
 
 from fxpipe.distributed.options import ScheduleOptions
 from fxpipe.distributed.parallel.mesh import Layout, comm_device
+from fxpipe.distributed.parallel.ownership import replace_tensors
 from fxpipe.errors import ConfigError
 from fxpipe.generation.driver import GenerationRun
 from fxpipe.generation.ranks import RankGenerator
@@ -37,6 +40,7 @@ class Generates:
     _model: nn.Module
     _program: StageProgram
     _ranks: tuple[int, ...]
+    stages: tuple[Any, ...]
     _generator: RankGenerator | None = None
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -44,11 +48,50 @@ class Generates:
         layers' key/value cache and ``lanes`` groups of sequences in flight (see
         :mod:`fxpipe.generation.ranks`). Call it on every rank of the pipeline (each
         replica's ranks under a mesh) with the same arguments; the prompts are read on the
-        last stage's rank, and every rank returns the generated sequences. One stage per
-        rank, without tensor parallelism or FSDP (ConfigError naming the remedy)."""
+        last stage's rank, and every rank returns the generated sequences. Under
+        ``data_parallel="fsdp"`` each rank holds its stage's weights whole for the call (see
+        :meth:`_whole_stage`). One stage per rank, without tensor parallelism (ConfigError
+        naming the remedy)."""
         if self._generator is None:
             self._generator = self._make_generator()
-        return self._generator.run(args, kwargs, NO_RECORDER)
+        with self._whole_stage():
+            return self._generator.run(args, kwargs, NO_RECORDER)
+
+    @contextmanager
+    def _whole_stage(self) -> Iterator[None]:
+        """Under FSDP, this rank's stage's Parameters gathered whole for the block and
+        sharded again after (else nothing): ``fully_shard``'s own unshard (the replicas'
+        ranks all-gather their shards, as a training step's first forward does) puts the
+        whole Parameters in the stage's module; the model and the step variants, which
+        hold the sharded ones, get them too for the block. FSDP keeps each whole Parameter
+        from call to call (its storage freed in between), so a step traced in one call
+        reads the next call's gathered weights."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules: list[Any] = [s.submod for s in self.stages if isinstance(s.submod, FSDPModule)]
+        if not self.layout.sharded or not modules:
+            yield
+            return
+        sharded = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
+        for module in modules:
+            module.unshard()
+        whole = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
+        to_whole = {id(s[k]): w[k] for s, w in zip(sharded, whole, strict=True) for k in s}
+        back = {id(w[k]): s[k] for s, w in zip(sharded, whole, strict=True) for k in s}
+        replace_tensors(self._holders(), to_whole)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+            replace_tensors(self._holders(), back)
+
+    def _holders(self) -> list[nn.Module]:
+        """The model, the plan's graph (steps are split along its borders, found by the
+        weights both read) and every step variant's modules: all read the model's tensors."""
+        variants = [] if self._generator is None else self._generator.variants
+        modules = [m for v in variants for m in (v.plan.graph_module, *v.program.modules)]
+        return [self._model, self.plan.graph_module, *modules]
 
     @property
     def last_generation(self) -> GenerationRun | None:
@@ -59,16 +102,14 @@ class Generates:
         """This rank's generator, once what it cannot run is refused."""
         refused = (
             (self.tensor_plan is not None, "tensor parallelism (the step is traced whole)"),
-            (self.layout.replaces_parameters, f"data_parallel={self.options.data_parallel!r} "
-             "(its Parameters are sharded DTensors)"),
             (len(self.stage_indices) > 1, f"{len(self.stage_indices)} stages per rank"),
         )  # fmt: skip
         for found, what in refused:
             if found:
                 raise ConfigError(
                     f"generate() on a distributed pipeline with {what} is not run: build the "
-                    "pipeline for generation with one stage per rank (stages_per_rank=1), "
-                    "tensor_parallel=None and data_parallel='ddp'"
+                    "pipeline for generation with one stage per rank (stages_per_rank=1) and "
+                    "tensor_parallel=None"
                 )
         ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r
                  for r in self._ranks]  # fmt: skip
