@@ -34,7 +34,10 @@ Rows (the issue's targets):
    (2 to 16 sequences per lane); the bound column is
    the two-process line under the table, the split and work bounds from each rank's busy
    time (its stage's modules timed) in the timed runs, per round; ``lanes=2, prompts
-   whole`` (``prefill_chunk=None``) shows what sending each prompt in chunks gains;
+   whole`` (``prefill_chunk=None``) shows what sending each prompt in chunks gains; under
+   the table, for the 4-prompt cases, each stage's median step time with one lane and with
+   two, and a *cpu* bound: the one-lane time over the busiest process's CPU time (every
+   thread: its stage, home's ``generate`` loops, the messages) in the two-lane run;
 3. overhead: ``pipe.generate(lanes=1)`` over ``model.generate`` with its own cache (one
    thread, the model on one device), 64 x 64 (target 0.9x);
 4. against today's path: over ``model.generate`` with ``use_cache=False`` (what a
