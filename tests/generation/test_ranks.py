@@ -2,10 +2,10 @@
 model.generate on the unpipelined model: greedy and beam search token for token with left
 padding and mixed prompt lengths, prompts in chunks, 1, 2 and 3 lanes over 2 and 3 ranks,
 a middle process handing steps on, a ("pp", "dp") mesh under FSDP whose replicas generate
-their own prompts (each stage gathered whole for the call; a training step and a call after
-it equal eager's), an encoder-decoder (T5); every rank returns the tokens; an error on the
-first rank is raised on every rank and leaves the ring ready for the next call; what is not
-run is refused on every rank."""
+their own prompts and a ("pp", "dp", "tp") mesh cut over tp (each stage gathered whole for
+the call; a training step and a call after it equal eager's), an encoder-decoder (T5);
+every rank returns the tokens; an error on the first rank is raised on every rank and
+leaves the ring ready for the next call; what is not run is refused on every rank."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import fxpipe.distributed as fd
+from fxpipe.distributed.parallel.ownership import full_tensor
 from fxpipe.errors import ConfigError
 from tests.distributed.ranks import launch, preload, results
 from tests.generation.test_driver import forward_forbidden, gpt2, llama, prompts, qwen2
@@ -33,31 +34,35 @@ LR = 100.0
 
 def _job(
     rank: int, world: int, *, name: str, layers: int, lanes: tuple[int, ...], full: bool,
-    dp: int = 1, data_parallel: str = "ddp",
+    mesh_shape: tuple[int, int, int] | None = None, data_parallel: str = "ddp",
 ) -> dict[str, Any]:  # fmt: skip
     """What this rank's pipeline generated, and what the model generates alone; ``full``:
-    beam search, a refused call and one after it too. Under FSDP also a training step
-    after generating, and its loss and gradients (this rank's shards) next to eager's."""
+    beam search, a refused call and one after it too. On a ``("pp", "dp", "tp")`` mesh of
+    ``mesh_shape`` (with tp over 1, cut as fxpipe finds) also a training step after generating,
+    its gradients next to eager's, and a call after an update."""
     torch.manual_seed(0)
     model = MAKERS[name](layers=layers).eval()
     mesh, replica = None, 0
-    if dp > 1:
+    if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+        names = ("pp", "dp", "tp") if mesh_shape[2] > 1 else ("pp", "dp")  # tp over 1: none
+        mesh = init_device_mesh("cpu", mesh_shape[: len(names)], mesh_dim_names=names)
         replica = mesh.get_local_rank("dp")
     ids, mask = prompts(rows=6, seed=replica)  # each replica its own prompts
     want = {"greedy": model.generate(ids, attention_mask=mask, max_new_tokens=6)}
     if full:
         want["beams"] = model.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=3)
-    sharded = data_parallel == "fsdp"
     twin = copy.deepcopy(model)  # before the pipeline takes the model's weights
+    cut = mesh_shape is not None and mesh_shape[2] > 1
     pipe = fd.pipeline_schedule(
         model, ids, example_kwargs={"attention_mask": mask}, n_microbatches=1,
-        loss_fn=_loss if sharded else None, mesh=mesh, data_parallel=data_parallel,
+        loss_fn=_loss if mesh else None, mesh=mesh, data_parallel=data_parallel,
+        tensor_parallel="auto" if cut else None,
     )  # fmt: skip
+    assert cut == (pipe.tensor_plan is not None)
     got: dict[str, Any] = {}
-    held = [id(t) for t in model.parameters()]  # FSDP: this rank's stage's shards
+    held = [id(t) for t in model.parameters()]  # FSDP, tp: this rank's stage's DTensors
     with forward_forbidden(model):
         for n in lanes:
             got[f"greedy, lanes={n}"] = pipe.generate(
@@ -75,7 +80,7 @@ def _job(
     out = {"want": want, "got": got, "lanes": run.lanes, "cache": run.cache_bytes,
            "sent weights": _sent_weights(pipe),
            "model kept": [id(t) for t in model.parameters()] == held}  # fmt: skip
-    if sharded:  # the weights sharded again: a training step still equals eager's
+    if mesh is not None:  # the weights as they were: a training step still equals eager's
         out["trained"] = _trained(pipe, twin, ids, mask, mesh)
     return out
 
@@ -102,7 +107,7 @@ def _trained(
     want = dict(twin.named_parameters())
     wrong = []
     for name, p in pipe.named_parameters():  # the same order on both replicas of a stage
-        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        got = full_tensor(p.grad)
         if not torch.allclose(got, want[name].grad, rtol=1e-4, atol=1e-6):
             wrong.append(name)
     for params in (pipe.parameters(), twin.parameters()):
@@ -124,22 +129,26 @@ def _sent_weights(pipe: Any) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("name", "world", "layers", "lanes", "full", "dp"),
+    ("name", "world", "layers", "lanes", "full", "mesh_shape"),
     [
-        ("llama", 2, 2, (1, 2), True, 1),
-        ("qwen2", 3, 3, (3,), False, 1),  # a middle process hands steps on
+        ("llama", 2, 2, (1, 2), True, None),
+        ("qwen2", 3, 3, (3,), False, None),  # a middle process hands steps on
         # FSDP: a tied head, replicas with their own prompts, each stage gathered whole
-        ("gpt2", 4, 2, (2,), False, 2),
+        ("gpt2", 4, 2, (2,), False, (2, 2, 1)),
+        # tensor parallelism: each stage's cut weights gathered whole for the call
+        ("llama", 4, 2, (2,), False, (2, 1, 2)),
     ],
-    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2-mesh-fsdp"],
+    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2x1-fsdp", "llama-2x1x2-tp"],
 )
 def test_every_rank_returns_the_model_own_tokens(
     tmp_path: Path, name: str, world: int, layers: int, lanes: tuple[int, ...], full: bool,
-    dp: int,
+    mesh_shape: tuple[int, int, int] | None,
 ) -> None:  # fmt: skip
-    data_parallel = "fsdp" if dp > 1 else "ddp"
-    job = {"name": name, "layers": layers, "lanes": lanes, "full": full, "dp": dp}
-    runs = results(launch(_job, world, tmp_path, **job, data_parallel=data_parallel))
+    data_parallel = "fsdp" if mesh_shape is not None and mesh_shape[1] > 1 else "ddp"
+    job = {"name": name, "layers": layers, "lanes": lanes, "full": full}
+    runs = results(launch(_job, world, tmp_path, **job, mesh_shape=mesh_shape,
+                          data_parallel=data_parallel))  # fmt: skip
+    pp = world if mesh_shape is None else mesh_shape[0]
     for rank, run in enumerate(runs):
         want, got = run["want"], run["got"]
         for key, out in got.items():
@@ -153,9 +162,8 @@ def test_every_rank_returns_the_model_own_tokens(
             assert run["lanes"] == 1, run
         assert run["sent weights"] == [], (rank, run["sent weights"])
         assert run["model kept"], rank  # the model holds what it held before the calls
-        assert len(run["cache"]) == world // dp and all(b > 0 for b in run["cache"]), run
-    if data_parallel == "fsdp":  # the weights sharded again, trained, gathered again
-        for rank, run in enumerate(runs):
+        assert len(run["cache"]) == pp and all(b > 0 for b in run["cache"]), run
+        if mesh_shape is not None:  # the weights as they were, trained, gathered again
             trained = run["trained"]
             assert trained["wrong"] == [], (rank, trained["wrong"])
             assert torch.equal(trained["got"], trained["want"]), rank

@@ -1,7 +1,7 @@
 """What a rank's pipeline adds for ``generate()``: :class:`Generates`, the methods
 :class:`~fxpipe.distributed.rank.runner.DistributedPipeline` takes from it, which refuse what
-generation one process per stage does not run and hand the rest to
-:class:`fxpipe.generation.ranks.RankGenerator`."""
+generation one process per stage does not run, gather a stage's sharded or cut weights whole
+for a call, and hand the rest to :class:`fxpipe.generation.ranks.RankGenerator`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from fxpipe.distributed.options import ScheduleOptions
 from fxpipe.distributed.parallel.mesh import Layout, comm_device
-from fxpipe.distributed.parallel.ownership import replace_tensors
+from fxpipe.distributed.parallel.ownership import full_tensor, is_dtensor, replace_tensors
 from fxpipe.errors import ConfigError
 from fxpipe.generation.driver import GenerationRun
 from fxpipe.generation.ranks import RankGenerator
@@ -49,9 +49,9 @@ class Generates:
         :mod:`fxpipe.generation.ranks`). Call it on every rank of the pipeline (each
         replica's ranks under a mesh) with the same arguments; the prompts are read on the
         last stage's rank, and every rank returns the generated sequences. Under
-        ``data_parallel="fsdp"`` each rank holds its stage's weights whole for the call (see
-        :meth:`_whole_stage`). One stage per rank, without tensor parallelism (ConfigError
-        naming the remedy)."""
+        ``data_parallel="fsdp"`` or tensor parallelism each rank holds its stage's weights
+        whole for the call (see :meth:`_whole_stage`; a stage's tp ranks generate alike).
+        One stage per rank (ConfigError naming the remedy)."""
         if self._generator is None:
             self._generator = self._make_generator()
         with self._whole_stage():
@@ -59,26 +59,32 @@ class Generates:
 
     @contextmanager
     def _whole_stage(self) -> Iterator[None]:
-        """Under FSDP, this rank's stage's Parameters gathered whole for the block and
-        sharded again after (else nothing): ``fully_shard``'s own unshard (the replicas'
-        ranks all-gather their shards, as a training step's first forward does) puts the
-        whole Parameters in the stage's module; the model and the step variants, which
-        hold the sharded ones, get them too for the block. FSDP keeps each whole Parameter
-        from call to call (its storage freed in between), so a step traced in one call
-        reads the next call's gathered weights."""
+        """This rank's stage's Parameters whole for the block, and as they were after (else
+        nothing): under FSDP gathered by ``fully_shard``'s own unshard (the replicas' ranks
+        all-gather their shards, as a training step's first forward does); under tensor
+        parallelism each DTensor Parameter left gathered whole (``full_tensor``, over its
+        mesh). The model, the plan's graph and the step variants, which hold the sharded
+        Parameters, hold the whole ones for the block; a variant traced in one call reads
+        the next call's gathered weights, put in its place again then."""
         from torch.distributed.fsdp import FSDPModule
 
         modules: list[Any] = [s.submod for s in self.stages if isinstance(s.submod, FSDPModule)]
-        if not self.layout.sharded or not modules:
-            yield
-            return
+        if not self.layout.sharded:
+            modules = []
         sharded = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
         for module in modules:
             module.unshard()
         whole = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
-        to_whole = {id(s[k]): w[k] for s, w in zip(sharded, whole, strict=True) for k in s}
-        back = {id(w[k]): s[k] for s, w in zip(sharded, whole, strict=True) for k in s}
-        replace_tensors(self._holders(), to_whole)
+        pairs = [(s[k], w[k]) for s, w in zip(sharded, whole, strict=True) for k in s]
+        replace_tensors(self._holders(), {id(old): new for old, new in pairs})
+        back = {id(new): old for old, new in pairs}  # what each held before the block
+        cut = {}
+        for p in self._model.parameters():  # cut over tp (and FSDP's whole, over tp too)
+            if is_dtensor(p):
+                gathered = nn.Parameter(full_tensor(p).detach(), requires_grad=p.requires_grad)
+                back[id(gathered)] = back.pop(id(p), p)
+                cut[id(p)] = gathered
+        replace_tensors(self._holders(), cut)
         try:
             yield
         finally:
@@ -100,17 +106,12 @@ class Generates:
 
     def _make_generator(self) -> RankGenerator:
         """This rank's generator, once what it cannot run is refused."""
-        refused = (
-            (self.tensor_plan is not None, "tensor parallelism (the step is traced whole)"),
-            (len(self.stage_indices) > 1, f"{len(self.stage_indices)} stages per rank"),
-        )  # fmt: skip
-        for found, what in refused:
-            if found:
-                raise ConfigError(
-                    f"generate() on a distributed pipeline with {what} is not run: build the "
-                    "pipeline for generation with one stage per rank (stages_per_rank=1) and "
-                    "tensor_parallel=None"
-                )
+        if len(self.stage_indices) > 1:
+            raise ConfigError(
+                f"generate() on a distributed pipeline with {len(self.stage_indices)} stages "
+                "per rank is not run: build the pipeline for generation with one stage per "
+                "rank (stages_per_rank=1)"
+            )
         ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r
                  for r in self._ranks]  # fmt: skip
         return RankGenerator(
