@@ -74,17 +74,18 @@ class Generates:
         sharded = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
         for module in modules:
             module.unshard()
-        whole = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
-        pairs = [(s[k], w[k]) for s, w in zip(sharded, whole, strict=True) for k in s]
-        replace_tensors(self._holders(), {id(old): new for old, new in pairs})
-        back = {id(new): old for old, new in pairs}  # what each held before the block
-        cut = {}
-        for p in self._model.parameters():  # cut over tp (and FSDP's whole, over tp too)
-            if is_dtensor(p):
-                gathered = nn.Parameter(full_tensor(p).detach(), requires_grad=p.requires_grad)
-                back[id(gathered)] = back.pop(id(p), p)
-                cut[id(p)] = gathered
-        replace_tensors(self._holders(), cut)
+        after = [dict(m.named_parameters(remove_duplicate=False)) for m in modules]
+        whole = {id(s[k]): w[k] for s, w in zip(sharded, after, strict=True) for k in s}
+        held = [*self._model.parameters(), *(t for s in sharded for t in s.values())]
+        swap: dict[int, torch.Tensor] = {}
+        back: dict[int, torch.Tensor] = {}  # what each held before the block
+        for p in dict.fromkeys(held):
+            t = whole.get(id(p), p)
+            if is_dtensor(t):  # cut over tp (FSDP's whole too, where the stage is also cut)
+                t = nn.Parameter(full_tensor(t).detach(), requires_grad=p.requires_grad)
+            if t is not p:
+                swap[id(p)], back[id(t)] = t, p
+        replace_tensors(self._holders(), swap)
         try:
             yield
         finally:
