@@ -6,12 +6,19 @@ only the :class:`~fxpipe.compiler.retrace.Retracer` it is handed."""
 
 from fxpipe.compiler.resolve import resolve_run
 from fxpipe.compiler.retrace import Retracer
-from fxpipe.compiler.steps import Compiled, check_meta_stages, compile_model, traced_example
+from fxpipe.compiler.steps import (
+    Compiled,
+    check_meta_stages,
+    compile_model,
+    traced_example,
+    traced_once,
+)
 
 __all__ = [
     "Compiled",
     "compile_model",
     "traced_example",
+    "traced_once",
     "check_meta_stages",
     "resolve_run",
     "Retracer",

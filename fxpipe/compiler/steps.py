@@ -8,7 +8,7 @@ import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,14 @@ from fxpipe.trace.example_checks import (
 from fxpipe.trace.tracing import Traced, fake_runnable, trace
 from fxpipe.weights.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
 
-__all__ = ["Compiled", "compile_model", "traced_example", "check_meta_stages", "with_no_grad"]
+__all__ = [
+    "Compiled",
+    "compile_model",
+    "traced_once",
+    "traced_example",
+    "check_meta_stages",
+    "with_no_grad",
+]
 
 
 @dataclass(frozen=True)
@@ -72,23 +79,70 @@ def compile_model(
 ) -> Compiled:
     """Trace, price, partition and split; the steps of :func:`fxpipe.pipeline` before any
     device work. ``present``: the devices must exist here (False for a plan only)."""
+    with traced_once(
+        model, example_input, devices, options, example_kwargs=example_kwargs, present=present
+    ) as plan:
+        return plan(options)
+
+
+@contextmanager
+def traced_once(
+    model: nn.Module,
+    example_input: Any,
+    devices: Sequence[Any],
+    options: PlanOptions,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    present: bool = True,
+) -> Iterator[Callable[[PlanOptions], Compiled]]:
+    """Yields ``plan(o)``, which prices, partitions and splits ``model`` under options ``o``
+    (the plan of :func:`compile_model`), the model traced on its example at the first call
+    and that graph kept for the ``with`` block. ``o`` may differ from ``options`` in how
+    the graph is planned (its cost, the nodes kept together), not in how it was traced
+    (tracer, reductions, chunks=1, shared weights), so several plans of one model pay for
+    one trace; a trace that fails raises from the call that made it."""
     stages = stage_devices(
         devices, max_memory=options.max_memory, speed=options.speed, present=present
     )
     if options.checkpoint != "auto":  # one mode per stage, where a list gives them
         checkpoint_of_stages(options.checkpoint, len(stages))
-    with traced_example(
-        model,
-        example_input,
-        example_kwargs,
-        tracer=options.tracer,
-        pricing=options.pricing(),
-        reductions=options.reductions,
-        whole=options.chunks == 1,
-    ) as (traced, batch):
-        if options.replicate_weights:
-            replicate_shared_weights(traced.graph_module)
-        return _compile_traced(model, traced, batch, stages, options)
+    traced_as = _tracing(options)
+    with ExitStack() as stack:
+        found: list[tuple[Traced, int]] = []
+
+        def plan(planning: PlanOptions) -> Compiled:
+            if _tracing(planning) != traced_as:
+                raise ValueError(
+                    f"a plan under {_tracing(planning)} of a graph traced under {traced_as}; "
+                    "trace the model again for these options"
+                )
+            if not found:
+                traced, batch = stack.enter_context(
+                    traced_example(
+                        model,
+                        example_input,
+                        example_kwargs,
+                        tracer=options.tracer,
+                        pricing=options.pricing(),
+                        reductions=options.reductions,
+                        whole=options.chunks == 1,
+                    )
+                )
+                if options.replicate_weights:
+                    replicate_shared_weights(traced.graph_module)
+                found.append((traced, batch))
+            traced, batch = found[0]
+            return _compile_traced(model, traced, batch, stages, planning)
+
+        yield plan
+
+
+def _tracing(options: PlanOptions) -> tuple[Any, ...]:
+    """What of ``options`` the traced graph depends on (tracer, reductions, a whole batch,
+    shared weights replicated) and the stages it is planned over."""
+    whole = options.chunks == 1
+    return (options.tracer, options.reductions, whole, options.replicate_weights,
+            options.max_memory, options.speed)  # fmt: skip
 
 
 @contextmanager

@@ -13,7 +13,7 @@ first step. A step with other sizes (a sequence length) re-sizes them (``step_sh
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.utils._pytree import tree_map
 
-from fxpipe.compiler import Compiled, compile_model
+from fxpipe.compiler import Compiled, traced_once
 from fxpipe.devices.targets import parse_device
 from fxpipe.distributed.options import (
     SCHEDULES,
@@ -223,14 +223,19 @@ def _build(
         _check_not_timed(options.cost)
         args, kwargs = _to_meta((args, kwargs))
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, options.n_microbatches)
-    # with a mesh, cost="time" is measured once for every replica
-    compiled = _plan(
-        model, (args, kwargs), options, [target] * total, group if mesh is None else None
-    )
     given = options.tensor_parallel if isinstance(options.tensor_parallel, GivenPlan) else None
-    if layout.tp_mesh is not None:  # balanced by what one "tp" rank of each stage runs
-        compiled = _plan_cut(model, (args, kwargs), options, compiled, layout.tp_mesh.size(),
-                             given, [target] * total)  # fmt: skip
+    # the model traced once (by the first plan) for every plan below: the profile of
+    # cost="time" (rank 0's alone: its failure reaches every rank), the plan, the plan again
+    # for stages cut over tp
+    with traced_once(
+        model, args, [target] * total, options.plan_options(), example_kwargs=kwargs,
+        present=False,
+    ) as planner:  # fmt: skip
+        planning = _Planning(planner, model, target, total)
+        # with a mesh, cost="time" is measured once for every replica
+        compiled = planning.plan(options, group if mesh is None else None)
+        if layout.tp_mesh is not None:  # balanced by what one "tp" rank of each stage runs
+            compiled = _plan_cut(planning, options, compiled, layout.tp_mesh.size(), given)
     plan, program, binder = compiled.plan, compiled.program, compiled.traced.binder
     values = binder.bind(mb_args, mb_kwargs)
     found = example_shapes(model, program, values)
@@ -275,13 +280,11 @@ def _build(
 
 
 def _plan_cut(
-    model: nn.Module,
-    example: tuple[tuple[Any, ...], dict[str, Any]],
+    planning: _Planning,
     options: ScheduleOptions,
     compiled: Compiled,
     tp: int,
     given: GivenPlan | None,
-    devices: list[torch.device],
 ) -> Compiled:
     """The plan again for stages cut over ``tp`` ranks: balanced by what one rank of each
     stage runs (where the costs are times), with no border inside a region the
@@ -291,56 +294,56 @@ def _plan_cut(
     cost, regions = rank_costs(compiled, tp, given, options.sequence_parallel)
     timed = options if cost is None else replace(options, cost=cost)
     try:
-        return _plan(model, example, timed, devices, None, together=regions)
+        return planning.plan(timed, None, together=regions)
     except PlanError:
         if cost is None:
             return compiled
-        return _plan(model, example, timed, devices, None)
+        return planning.plan(timed, None)
 
 
-def _plan(
-    model: nn.Module,
-    example: tuple[tuple[Any, ...], dict[str, Any]],
-    options: ScheduleOptions,
-    devices: list[torch.device],
-    group: dist.ProcessGroup | None,
-    together: tuple[frozenset[str], ...] = (),
-) -> Compiled:
-    """The plan every rank makes alike: from the costs group rank 0 of ``group`` measured
-    (``cost="time"``), else from the record's own cost, with no border inside a group of
-    ``together``; ConfigError for an example the micro-batches would change the model's
-    results on."""
-    args, kwargs = example
-    planning = replace(options.plan_options(), together=together)
-    if options.cost == "time":
-        timed = planning
-        measured = measured_costs(
-            lambda: _compile(model, args, kwargs, devices, timed), group, devices[0]
+@dataclass(frozen=True)
+class _Planning:
+    """How every rank plans one model traced once (``planner``:
+    :func:`fxpipe.compiler.traced_once`'s), into ``stages`` stages on ``device``."""
+
+    planner: Callable[[PlanOptions], Compiled]
+    model: nn.Module
+    device: torch.device
+    stages: int
+
+    def plan(
+        self,
+        options: ScheduleOptions,
+        group: dist.ProcessGroup | None,
+        together: tuple[frozenset[str], ...] = (),
+    ) -> Compiled:
+        """The plan every rank makes alike: from the costs group rank 0 of ``group``
+        measured (``cost="time"``), else from the record's own cost, with no border inside
+        a group of ``together``; ConfigError for an example the micro-batches would change
+        the model's results on."""
+        planning = replace(options.plan_options(), together=together)
+        if options.cost == "time":
+            timed = planning
+            measured = measured_costs(lambda: self._compile(timed), group, self.device)
+            planning = replace(planning, cost=measured)
+        compiled = self._compile(planning)
+        check_micro_batches(
+            compiled.traced, options.n_microbatches, self.model, option="n_microbatches"
         )
-        planning = replace(planning, cost=measured)
-    compiled = _compile(model, args, kwargs, devices, planning)
-    check_micro_batches(compiled.traced, options.n_microbatches, model, option="n_microbatches")
-    return compiled
+        return compiled
 
-
-def _compile(
-    model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    devices: list[torch.device],
-    options: PlanOptions,
-) -> Compiled:
-    """The relay-mode plan and stage program, with exactly ``len(devices)`` stages."""
-    compiled = compile_model(model, args, devices, options, example_kwargs=kwargs, present=False)
-    if compiled.plan.num_stages != len(devices):
-        raise PlanError(
-            f"the plan has {compiled.plan.num_stages} stages but {len(devices)} were asked "
-            "for; use fewer processes or a smaller stages_per_rank"
-        )
-    if isinstance(options.cost, MeasuredCost):  # measured seconds, not a user's cost function
-        costs = replace(compiled.plan.costs, mode="time", unit="s")
-        compiled = replace(compiled, plan=replace(compiled.plan, costs=costs))
-    return compiled
+    def _compile(self, options: PlanOptions) -> Compiled:
+        """The relay-mode plan and stage program, with exactly :attr:`stages` stages."""
+        compiled = self.planner(options)
+        if compiled.plan.num_stages != self.stages:
+            raise PlanError(
+                f"the plan has {compiled.plan.num_stages} stages but {self.stages} were asked "
+                "for; use fewer processes or a smaller stages_per_rank"
+            )
+        if isinstance(options.cost, MeasuredCost):  # measured seconds, not a user's function
+            costs = replace(compiled.plan.costs, mode="time", unit="s")
+            compiled = replace(compiled, plan=replace(compiled.plan, costs=costs))
+        return compiled
 
 
 def _check_not_timed(cost: Any) -> None:
