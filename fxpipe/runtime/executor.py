@@ -213,11 +213,16 @@ class Executor:
         return phonies
 
     def _join_inputs(self, args: list[Any], phonies: list[torch.Tensor]) -> list[Any]:
-        """Join ``phonies`` to the first floating-point tensor among ``args``."""
+        """Join ``phonies`` to the first floating-point tensor among ``args`` that carries a
+        gradient, else to the first one. A joined tensor carries one: joined to a value that
+        did not (a rotary table, a float mask), it would have autograd differentiate the
+        stage by it, and a compiled stage see its inputs change from micro-batch 0 to 1
+        (one more compile)."""
         if not phonies:
             return args
         leaves, spec = tree_flatten(args)
-        k = next((k for k, leaf in enumerate(leaves) if _float_leaf(leaf)), None)
+        floats = [k for k, leaf in enumerate(leaves) if _float_leaf(leaf)]
+        k = next((k for k in floats if leaves[k].requires_grad), floats[0] if floats else None)
         if k is None:
             return args
         for phony in phonies:

@@ -284,11 +284,29 @@ class LogStage(nn.Module):
         return (_log(torch.tanh(self.lin(h)), tag, self.j),)
 
 
-def _log_program(n: int) -> StageProgram:
+class TagFirstStage(LogStage):
+    """:class:`LogStage` with its inputs the other way round: the first float one (the tag,
+    read by no differentiable op) carries no gradient."""
+
+    def forward(self, tag: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor]:  # type: ignore[override]
+        return super().forward(h, _tag_seen(tag))
+
+
+def _tag_seen(tag: torch.Tensor) -> torch.Tensor:
+    """``tag``, whether it carries a gradient recorded."""
+    PROBE["flags"].append(("tag carries a gradient", tag.requires_grad))
+    return tag
+
+
+torch.fx.wrap("_tag_seen")
+
+
+def _log_program(n: int, tag_first: bool = False) -> StageProgram:
     names = ["x", *(f"h{j}" for j in range(1, n + 1))]
+    stage = TagFirstStage if tag_first else LogStage
     return StageProgram(
-        modules=tuple(torch.fx.symbolic_trace(LogStage(j)) for j in range(n)),
-        inputs=tuple((names[j], "tag") for j in range(n)),
+        modules=tuple(torch.fx.symbolic_trace(stage(j)) for j in range(n)),
+        inputs=tuple(("tag", names[j]) if tag_first else (names[j], "tag") for j in range(n)),
         outputs=tuple((names[j + 1],) for j in range(n)),
         graph_inputs=("x", "tag"),
         output_leaves=(ValueRef(names[-1]),),
@@ -296,7 +314,9 @@ def _log_program(n: int) -> StageProgram:
     )
 
 
-def _backward_order(mode: str, m: int = 4, n: int = 3) -> dict[int, list[int]]:
+def _backward_order(
+    mode: str, m: int = 4, n: int = 3, tag_first: bool = False
+) -> dict[int, list[int]]:
     """Per stage, the micro-batches in the order their gradients left the stage's output.
 
     Autograd runs the ready node with the highest sequence number first, and sequence numbers
@@ -304,8 +324,10 @@ def _backward_order(mode: str, m: int = 4, n: int = 3) -> dict[int, list[int]]:
     the others in fresh threads (low numbers), so autograd alone would start with
     micro-batch 0.
     """
-    executor = Executor(_log_program(n), ["cpu"] * n, mode)
-    batches = [(torch.randn(2, 4), torch.full((2, 1), float(i))) for i in range(m)]
+    executor = Executor(_log_program(n, tag_first), ["cpu"] * n, mode)
+    # tag first: x carries a gradient, so that every stage has an input that does
+    x = [torch.randn(2, 4, requires_grad=tag_first) for _ in range(m)]
+    batches = [(x[i], torch.full((2, 1), float(i))) for i in range(m)]
     outputs = [r[f"h{n}"] for r in executor.run(batches, [f"h{n}"])]
     for _ in range(200):  # outnumber the worker thread's nodes
         torch.ones(1, requires_grad=True) * 2
@@ -322,6 +344,18 @@ def _backward_order(mode: str, m: int = 4, n: int = 3) -> dict[int, list[int]]:
 def test_backward_runs_in_reverse_micro_batch_order(mode: str) -> None:
     order = _backward_order(mode)
     assert order == {j: [3, 2, 1, 0] for j in range(3)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_order_is_kept_on_the_input_that_carries_a_gradient(mode: str) -> None:
+    """A stage whose first float input carries no gradient (the tag, as a rotary table or a
+    float mask a stage reads): the backward order holds, and the tag never carries one
+    (joined to it, from micro-batch 1 on it did: autograd then differentiated by it, and a
+    compiled stage compiled once more)."""
+    order = _backward_order(mode, tag_first=True)
+    assert order == {j: [3, 2, 1, 0] for j in range(3)}
+    seen = [flag for what, flag in PROBE["flags"] if what == "tag carries a gradient"]
+    assert len(seen) >= 4 * 3 and not any(seen), seen
 
 
 @pytest.mark.parametrize("mode", MODES)
