@@ -2,7 +2,9 @@
 stages with ``compile=`` (torch's ``aot_eager`` backend: dynamo and AOTAutograd, the whole
 compile path but inductor's code generation), in float64, equal to eager: outputs and every
 gradient.
-Dropout at p=0 and BatchNorm models in eval mode, as in test_transparency.py."""
+Dropout at p=0 and BatchNorm models in eval mode, as in test_transparency.py. No stage is
+checkpointed (each would compile once more, for its forward without gradients): compiled
+stages under each checkpoint mode are tests/runtime/test_compiled.py's."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def test_compiled_zoo_model_equals_eager(name: str) -> None:
     args, kwargs = example_in(case, torch.float64)
     pipe = fxpipe.pipeline(
         model, args, ["cpu", "cpu"], example_kwargs=kwargs, chunks=2, cost="flops",
-        tracer=case.tracer, compile={"backend": "aot_eager"},
+        checkpoint="never", tracer=case.tracer, compile={"backend": "aot_eager"},
     )  # fmt: skip
     for _ in range(2):  # the second call runs the graphs the first compiled
         got, got_grads = _run(pipe, args, kwargs)
