@@ -4,7 +4,6 @@ hash seeds, so that no set or dict order leaks into the partition)."""
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -61,11 +60,6 @@ print(json.dumps(plan_hashes()))
 """
 
 
-@functools.cache
-def _here() -> dict[str, str]:
-    return plan_hashes()
-
-
 def _in_fresh_processes(*hash_seeds: str) -> list[dict[str, str]]:
     """``plan_hashes()`` of one fresh interpreter per seed, run side by side."""
     runs = [
@@ -86,11 +80,11 @@ def _in_fresh_processes(*hash_seeds: str) -> list[dict[str, str]]:
     return results
 
 
-def test_the_plan_is_the_same_on_every_run_in_one_process() -> None:
-    assert len(_here()) == len(MODELS) * len(MODES) * len(STAGES)
-    assert plan_hashes() == _here()
-
-
-def test_the_plan_is_the_same_in_fresh_processes_with_other_hash_seeds() -> None:
+def test_the_plan_is_the_same_on_every_run_here_and_in_fresh_processes() -> None:
+    """Twice in this process, and in two fresh ones with other hash seeds (one test, so that
+    the plans made here are made once, on one worker of ``pytest -n``)."""
+    here = plan_hashes()
+    assert len(here) == len(MODELS) * len(MODES) * len(STAGES)
+    assert plan_hashes() == here
     first, second = _in_fresh_processes("1", "2024")
-    assert first == second == _here()
+    assert first == second == here
