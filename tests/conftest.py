@@ -23,8 +23,8 @@ from models import QUICK_MODELS, ZOO, Case  # noqa: E402
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``pytest -n``, each worker computes on its share of the cores (one intra-op
     thread each with ``-n auto``), and so do the fresh interpreters its tests start (where
-    ``OMP_NUM_THREADS`` is not set already): a worker's two threads beside the other
-    worker's on 2 cores made tests of several stages in threads up to 1.8x slower."""
+    ``OMP_NUM_THREADS`` is not set already): two workers of two threads each on 2 cores
+    ran tests/test_transparency.py in 226 s, of one thread each in 63 s (``-n 2``)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers and "PYTEST_XDIST_WORKER" in os.environ:
         share = max(1, (os.cpu_count() or 1) // workers)
