@@ -135,10 +135,11 @@ def _sent_weights(pipe: Any) -> list[str]:
         ("qwen2", 3, 3, (3,), False, None),  # a middle process hands steps on
         # FSDP: a tied head, replicas with their own prompts, each stage gathered whole
         ("gpt2", 4, 2, (2,), False, (2, 2, 1)),
-        # tensor parallelism: each stage's cut weights gathered whole for the call
-        ("llama", 4, 2, (2,), False, (2, 1, 2)),
+        # FSDP and tensor parallelism together: each stage's shards gathered by FSDP, then
+        # what is still cut over tp gathered whole, for the call
+        ("llama", 8, 2, (2,), False, (2, 2, 2)),
     ],
-    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2x1-fsdp", "llama-2x1x2-tp"],
+    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2x1-fsdp", "llama-2x2x2-fsdp-tp"],
 )
 def test_every_rank_returns_the_model_own_tokens(
     tmp_path: Path, name: str, world: int, layers: int, lanes: tuple[int, ...], full: bool,
