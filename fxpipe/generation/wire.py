@@ -1,8 +1,12 @@
 """The messages of generation one process per stage: what one lane's step hands to the next
-process, sent point to point as a header with a manifest of each value's kind and shape, then
-the tensors' bytes packed in one buffer (a step's shapes change between prefill and decode
-and from group to group, so the receiver learns them from the manifest rather than fixing
-them; each send costs a round of the transport, so there are two or three per message)."""
+process, sent point to point as one buffer of a fixed size holding a header, a manifest of
+each value's kind and shape and, where they fit, the tensors' bytes (a step's shapes change
+between prefill and decode and from group to group, so the receiver learns them from the
+manifest rather than fixing them). A decode step's few kilobytes go in that one send; more
+values than the header's manifest holds take one more send, and tensors' bytes past what the
+buffer holds one more (a prompt's hidden states): each send costs a round of the transport,
+and two sends each way at once cost a few milliseconds on gloo, where one costs a tenth of
+that."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from fxpipe.errors import ConfigError
 
 __all__ = [
+    "Inbox",
     "Message",
     "STEP",
     "STOP",
@@ -38,6 +43,10 @@ _FIELDS = ("command", "lane", "kind", "one_row", "rows", "length", "seen", "sour
 _WIDTH, _MAX_DIMS = 10, 8
 #: Values whose manifest rows travel in the header's send (the rest in one more).
 _IN_HEADER = 16
+#: Bytes of the first send: the header (its fields and ``_IN_HEADER`` manifest rows of 8-byte
+#: numbers), then room for the tensors' bytes of a message whose bytes fit (else unused).
+_HEAD_BYTES = 8 * (len(_FIELDS) + _IN_HEADER * _WIDTH)
+_INLINE = 1 << 16
 #: Tensor dtypes by their code (a value's kind); negative codes are Python scalars.
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -73,20 +82,25 @@ def send_message(
     tag: int = 0,
 ) -> None:
     """Send ``message`` to global rank ``dst`` over ``group`` under ``tag`` (tensors via
-    ``device``): the
-    header with the first values' manifest rows in one send, any further rows in a second,
-    and every tensor's bytes packed in one more (a few sends per step, whatever it carries)."""
+    ``device``): one buffer of the header, the first values' manifest rows and, where they
+    fit, every tensor's bytes; any further manifest rows in a second send, and tensors' bytes
+    that do not fit in one more."""
     rows = [_entry(v) for v in message.values]
     head = [getattr(message, f) for f in _FIELDS[:-1]] + [len(rows)]
     first = rows[:_IN_HEADER] + [[0] * _WIDTH] * (_IN_HEADER - len(rows[:_IN_HEADER]))
     flat = head + [x for row in first for x in row]
-    dist.send(torch.tensor(flat, dtype=torch.long, device=device), dst, group=group, tag=tag)
+    header = torch.tensor(flat, dtype=torch.long, device=device).view(torch.uint8)
+    tensors = [v for v in message.values if isinstance(v, torch.Tensor) and v.numel()]
+    packed = torch.cat([_bytes(t.detach().to(device)) for t in tensors]) if tensors else None
+    inline = packed is None or packed.numel() <= _INLINE
+    body = packed if inline and packed is not None else header[:0]
+    rest = torch.zeros(_INLINE - body.numel(), dtype=torch.uint8, device=device)
+    dist.send(torch.cat([header, body, rest]), dst, group=group, tag=tag)
     if len(rows) > _IN_HEADER:
         more = torch.tensor(rows[_IN_HEADER:], dtype=torch.long, device=device)
         dist.send(more, dst, group=group, tag=tag)
-    tensors = [v for v in message.values if isinstance(v, torch.Tensor) and v.numel()]
-    if tensors:
-        packed = torch.cat([_bytes(t.detach().to(device)) for t in tensors])
+    if not inline:
+        assert packed is not None
         dist.send(packed, dst, group=group, tag=tag)
 
 
@@ -95,9 +109,58 @@ def recv_message(
 ) -> Message:
     """The next message from global rank ``src`` over ``group`` (tensors on ``device``, each
     a view of the one buffer they came in)."""
-    flat = torch.empty(len(_FIELDS) + _IN_HEADER * _WIDTH, dtype=torch.long, device=device)
-    dist.recv(flat, src, group=group, tag=tag)
-    numbers = flat.tolist()
+    buffer = _first_buffer(device)
+    dist.recv(buffer, src, group=group, tag=tag)
+    return _message(buffer, src, group, device, tag)
+
+
+class Inbox:
+    """The messages from global rank ``src`` under ``tag``, a receive always posted for the
+    next one's first send: a gloo send waits for its receiver's receive, and a receive
+    posted only once this process is free again (or a sender that only hears of it while
+    it computes) costs the ring a few milliseconds a step. Nothing is posted after a STOP,
+    so the next call's first message is not taken by this one's inbox. Over a device's
+    transport (``device`` not the CPU) each message is received when asked for: there a
+    posted receive would hold up this process's sends to ``src`` queued behind it."""
+
+    def __init__(
+        self, src: int, group: dist.ProcessGroup | None, device: torch.device, *, tag: int
+    ) -> None:
+        self.src, self.group, self.device, self.tag = src, group, device, tag
+        self.ahead = device.type == "cpu"
+        self._work: Any = None
+        if self.ahead:
+            self._post()
+
+    def _post(self) -> None:
+        self._buffer = _first_buffer(self.device)
+        self._work = dist.irecv(self._buffer, self.src, group=self.group, tag=self.tag)
+
+    def next(self) -> Message:
+        """The next message (its further sends received), the one after posted for."""
+        if not self.ahead:
+            return recv_message(self.src, self.group, self.device, tag=self.tag)
+        self._work.wait()
+        message = _message(self._buffer, self.src, self.group, self.device, self.tag)
+        if message.command != STOP:
+            self._post()
+        return message
+
+
+def _first_buffer(device: torch.device) -> torch.Tensor:
+    """A buffer for a message's first send."""
+    return torch.empty(_HEAD_BYTES + _INLINE, dtype=torch.uint8, device=device)
+
+
+def _message(
+    buffer: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    tag: int,
+) -> Message:
+    """The message whose first send ``buffer`` holds, its further sends received."""
+    numbers = buffer[:_HEAD_BYTES].view(torch.long).tolist()
     fields = dict(zip(_FIELDS, numbers[: len(_FIELDS)], strict=True))
     count = fields.pop("count")
     body = numbers[len(_FIELDS) :]
@@ -110,8 +173,11 @@ def recv_message(
     sizes = [
         math.prod(shape) * _DTYPES[code].itemsize if code >= 0 else 0 for code, shape in shapes
     ]
-    packed = torch.empty(sum(_padded(n) for n in sizes), dtype=torch.uint8, device=device)
-    if packed.numel():
+    total = sum(_padded(n) for n in sizes)
+    if total <= _INLINE:  # the bytes came in the first send (as the sender chose)
+        packed = buffer[_HEAD_BYTES : _HEAD_BYTES + total]
+    else:
+        packed = torch.empty(total, dtype=torch.uint8, device=device)
         dist.recv(packed, src, group=group, tag=tag)
     values: list[Any] = []
     offset = 0

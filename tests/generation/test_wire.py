@@ -1,7 +1,9 @@
 """The messages of generation one process per stage, between 2 gloo ranks: every kind of
 value a step hands on comes back as it was sent (dtypes, shapes, an odd number of bytes
 before a wider dtype, an empty tensor, Python scalars, None), with more values than the
-header's manifest holds, and a message with no values."""
+header's manifest holds, a message whose bytes do not fit in its first send, and a message
+with no values; received when asked for, and by an inbox whose receive is posted before
+each message is sent."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpipe.generation.wire import STEP, STOP, Message, recv_message, send_message
+from fxpipe.generation.wire import STEP, STOP, Inbox, Message, recv_message, send_message
 from tests.distributed.ranks import launch, preload, results
 
 preload(__name__)
@@ -34,16 +36,28 @@ def _values() -> tuple[Any, ...]:
 
 def _job(rank: int, world: int) -> list[Message]:
     cpu = torch.device("cpu")
-    sent = [Message(STEP, 3, 1, 0, 5, 11, 4, 9, _values()), Message(STOP)]
+    wide = torch.arange(130 * 128, dtype=torch.float32).view(130, 128)  # past the first send
+    sent = [
+        Message(STEP, 3, 1, 0, 5, 11, 4, 9, _values()),
+        Message(STEP, 1, 0, 0, 2, 6, 0, 0, (wide, 3, torch.tensor([1, 2]))),
+        Message(STOP),
+    ]
     if rank == 0:
         for message in sent:
             send_message(message, 1, None, cpu)
         dist.barrier()
-        return sent
+        for message in sent:
+            send_message(message, 1, None, cpu, tag=5)
+        dist.barrier()
+        return sent + sent
     got = [recv_message(0, None, cpu) for _ in sent]
+    inbox = Inbox(0, None, cpu, tag=5)  # a receive posted before each message is sent
+    dist.barrier()
+    again = [inbox.next() for _ in sent]
+    assert inbox._work is None or inbox._work.is_completed()  # none posted after the STOP
     dist.barrier()
     return [  # views of one buffer, which torch.save keeps as one: copies to save
-        dataclasses.replace(m, values=tuple(_copy(v) for v in m.values)) for m in got
+        dataclasses.replace(m, values=tuple(_copy(v) for v in m.values)) for m in got + again
     ]
 
 
