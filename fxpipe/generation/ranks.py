@@ -42,12 +42,12 @@ from fxpipe.generation.wire import (
     ERROR,
     STEP,
     STOP,
+    Inbox,
     Message,
     error_message,
     error_text,
     in_order,
     named,
-    recv_message,
     send_message,
 )
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
@@ -60,6 +60,11 @@ _META = torch.device("meta")
 _REORDER = "__reorder__"
 #: Message tags: from home to the first stage, and from a stage to the next.
 _OUT, _HOP = 1, 2
+#: Seconds home's worker waits, after a lane's last stage, for that lane (or another) to
+#: send its next step before it runs the next lane's last stage: a lane picking its tokens
+#: beside a stage computing shares this process with it, and the first stages wait for
+#: those tokens (4 prompts in two lanes, 2 processes: a few milliseconds a step).
+_HAND_BACK_S = 0.005
 
 
 class RankGenerator(Generator):
@@ -99,7 +104,7 @@ class RankGenerator(Generator):
             except Exception as e:  # every process raises it, after the ring has stopped
                 outcome = ("error", e, self.last)
             if not self._stopped:  # refused before any step: the others wait to be told
-                self._stop(inline=True)
+                self._stop(inline=self._inbox())
         else:
             self._serve()
             outcome = ("", None, None)
@@ -158,12 +163,19 @@ class RankGenerator(Generator):
             out = ring.step(lane, variant, values, cache.seen, cache.take_reordered())
         return out
 
-    def _stop(self, inline: bool) -> None:
-        """Send a STOP round the ring; ``inline``: wait here for it to come back."""
+    def _inbox(self) -> Inbox:
+        """What comes to this process from the stage before (to the first stage: from
+        home)."""
+        j = self.stage
+        src, tag = (self.peers[j - 1], _HOP) if j else (self.peers[-1], _OUT)
+        return Inbox(src, self.group, self.comm, tag=tag)
+
+    def _stop(self, inline: Inbox | None) -> None:
+        """Send a STOP round the ring; with an ``inline`` inbox, wait there for it to come
+        back."""
         send_message(Message(STOP), self.peers[0], self.group, self.comm, tag=_OUT)
-        if inline:
-            src = self.peers[self.home - 1]
-            while recv_message(src, self.group, self.comm, tag=_HOP).command != STOP:
+        if inline is not None:
+            while inline.next().command != STOP:
                 pass
         self._stopped = True
 
@@ -171,8 +183,7 @@ class RankGenerator(Generator):
 
     def _serve(self) -> None:
         """Run this process's stage for every step that comes until a STOP (passed on)."""
-        j = self.stage
-        src, tag = (self.peers[j - 1], _HOP) if j else (self.peers[-1], _OUT)
+        inbox = self._inbox()
         pools: dict[int, StageCaches] = {}
         outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         failed: list[BaseException] = []
@@ -181,7 +192,7 @@ class RankGenerator(Generator):
         )
         sender.start()  # a send waits for the next process to take it: this one goes on
         while True:
-            message = recv_message(src, self.group, self.comm, tag=tag)
+            message = inbox.next()
             if message.command == STEP:
                 try:
                     message = self._serve_step(message, pools)
@@ -269,10 +280,13 @@ class _HomeRing:
         self.owner, self.threads, self.recorder = owner, threads, recorder
         self._waiting: dict[int, _Trip] = {}
         self._sending = threading.Lock()
+        self._sent = threading.Event()
         self._broken: BaseException | None = None
         self._worker: threading.Thread | None = None
+        self._inbox: Inbox | None = None
 
     def __enter__(self) -> _HomeRing:
+        self._inbox = self.owner._inbox()
         if self.threads:
             self._worker = threading.Thread(target=self._work, name="fxpipe-home", daemon=True)
             self._worker.start()
@@ -284,7 +298,7 @@ class _HomeRing:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        self.owner._stop(inline=not self.threads)
+        self.owner._stop(inline=None if self.threads else self._inbox)
         if self._worker is not None:
             self._worker.join()
             self._worker = None
@@ -310,6 +324,7 @@ class _HomeRing:
         self._waiting[lane] = trip
         with self._sending:
             send_message(message, owner.peers[0], owner.group, owner.comm, tag=_OUT)
+        self._sent.set()
         if not self.threads:
             self._take(self._receive())
         trip.done.wait()
@@ -319,8 +334,8 @@ class _HomeRing:
         return trip.result
 
     def _receive(self) -> Message:
-        owner = self.owner
-        return recv_message(owner.peers[owner.home - 1], owner.group, owner.comm, tag=_HOP)
+        assert self._inbox is not None
+        return self._inbox.next()
 
     def _take(self, message: Message) -> bool:
         """Run the last stage of the step that came back and hand its logits to its lane
@@ -334,7 +349,10 @@ class _HomeRing:
             trip.result = self._last_stage(trip, message)
         except BaseException as e:  # to the lane waiting for it
             trip.error = e
+        self._sent.clear()
         trip.done.set()
+        if self.threads:  # the lane picks its tokens and sends its next step on its own
+            self._sent.wait(_HAND_BACK_S)  # (the first stages wait for it), then the next
         return True
 
     def _last_stage(self, trip: _Trip, message: Message) -> torch.Tensor:
