@@ -44,7 +44,7 @@ from fxpipe.passes.split.plan import build_plan
 from fxpipe.trace.constants import fill_meta_constants, place_constants
 from fxpipe.trace.shapes import replicate_shape_queries
 from fxpipe.trace.tracing import merge_aliased_attributes
-from fxpipe.weights.materialise import meta_view
+from fxpipe.weights.materialise import cpu_view, meta_view, on_cpu_and_meta
 
 __all__ = ["StepKind", "KINDS", "StepVariant", "trace_step", "STEP_INPUTS", "SEQ2SEQ_INPUTS"]
 
@@ -95,14 +95,22 @@ def trace_step(
     floor: tuple[int, ...] = (),
 ) -> StepVariant:
     """The step of ``kind`` over lanes of ``rows`` rows traced and split along ``leader``'s
-    borders. The model is traced on its own tensors where they share one device, else on
-    ``meta`` views of them. The model is left as it was."""
+    borders. The model is traced on its own tensors where they share one device; on the CPU
+    where they lie on the CPU and ``meta`` (a rank's model: the other stages' weights on
+    ``meta`` get CPU storage for the trace, so code that asks the device runs its CPU
+    branch); else on ``meta`` views of them. The model is left as it was."""
     place = model_device(model)
-    form = step_form(model, layout, argument, kind, rows, place or torch.device("meta"))
+    view: AbstractContextManager[Any] = nullcontext()
+    if place is None and on_cpu_and_meta(model):
+        view = cpu_view(model)
+        traced_on = torch.device("cpu")
+    elif place is None:  # a tensor a replica's gradient hooks hold is swapped and back
+        view = meta_view(model, live=True)  # (nothing runs backward)
+        traced_on = torch.device("meta")
+    else:
+        traced_on = place
+    form = step_form(model, layout, argument, kind, rows, traced_on)
     example = form.example
-    view: AbstractContextManager[Any] = (
-        nullcontext() if place is not None else meta_view(model, live=True)
-    )  # a tensor a replica's gradient hooks hold is swapped and back, nothing runs backward
     with preserved(model), view, _quiet():
         try:
             program = torch.export.export(

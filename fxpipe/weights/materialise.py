@@ -30,7 +30,10 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.errors import CheckpointError, ConfigError, DeviceError, UninitialisedError
 
-__all__ = ["holds_meta", "all_meta", "on_meta", "meta_view", "check_meta_pricing", "Materialised"]
+__all__ = [
+    "holds_meta", "all_meta", "on_meta", "meta_view", "cpu_view", "on_cpu_and_meta",
+    "check_meta_pricing", "Materialised",
+]  # fmt: skip
 
 #: How many keys an error message names before it gives the count.
 SHOWN = 5
@@ -62,6 +65,35 @@ def meta_view(model: nn.Module, *, live: bool = False) -> Iterator[None]:
                 seen.add(id(t))
                 empty = torch.empty_like(t, device="meta")
                 swapped.append((t, _swap_in(t, empty, name, check=not live)))
+        yield
+    finally:
+        for t, real in reversed(swapped):
+            torch._C._swap_tensor_impl(t, real)
+
+
+def on_cpu_and_meta(model: nn.Module) -> bool:
+    """Whether ``model``'s tensors lie on ``meta`` and the CPU, some on each (a rank's model
+    holding only its stage's weights)."""
+    found = {t.device.type for t in chain(model.parameters(), model.buffers())}
+    return found == {"cpu", "meta"}
+
+
+@contextmanager
+def cpu_view(model: nn.Module) -> Iterator[None]:
+    """Within the block, the tensors of ``model`` on ``meta`` hold uninitialised CPU storage
+    of their shape, so that a model on the CPU and on ``meta`` is traced as the CPU runs it:
+    its code's branches on the device (transformers' grouped experts count tokens per
+    expert one way on the CPU and another elsewhere) taken as they will run. A trace writes
+    none of that storage, and the kernel only reserves pages nobody writes. The same
+    objects throughout; each gets its ``meta`` storage back on exit."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        seen: set[int] = set()
+        for name, t in chain(model.named_parameters(), model.named_buffers()):
+            if t.is_meta and id(t) not in seen:
+                seen.add(id(t))
+                empty = torch.empty_like(t, device="cpu")
+                swapped.append((t, _swap_in(t, empty, name, check=False)))
         yield
     finally:
         for t, real in reversed(swapped):

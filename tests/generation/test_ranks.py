@@ -1,7 +1,8 @@
 """generate() one process per stage (fxpipe.distributed's pipelines, gloo on the CPU) against
 model.generate on the unpipelined model: greedy and beam search token for token with left
 padding and mixed prompt lengths, prompts in chunks, 1, 2 and 3 lanes over 2 and 3 ranks,
-a middle process handing steps on, a ("pp", "dp") mesh under FSDP whose replicas generate
+a middle process handing steps on (Mixtral's grouped experts in bfloat16, which take a branch
+of their own on the CPU), a ("pp", "dp") mesh under FSDP whose replicas generate
 their own prompts and a ("pp", "dp", "tp") mesh cut over tp (each stage gathered whole for
 the call; a training step and a call after it equal eager's), an encoder-decoder (T5);
 every rank returns the tokens; an error on the first rank is raised on every rank and
@@ -21,13 +22,17 @@ import fxpipe.distributed as fd
 from fxpipe.distributed.parallel.ownership import full_tensor
 from fxpipe.errors import ConfigError
 from tests.distributed.ranks import launch, preload, results
-from tests.generation.test_driver import forward_forbidden, gpt2, llama, prompts, qwen2
+from tests.generation.test_driver import forward_forbidden, gpt2, llama, mixtral, prompts
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 preload(__name__)
 
-MAKERS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2}
+MAKERS = {
+    "llama": llama, "gpt2": gpt2,
+    # transformers' grouped experts in bfloat16 (its kernels in that dtype, not float64's)
+    "mixtral-bf16": lambda layers: mixtral(layers=layers).to(torch.bfloat16),
+}  # fmt: skip
 #: The step after generating under FSDP: large enough that the tokens change.
 LR = 100.0
 
@@ -132,14 +137,16 @@ def _sent_weights(pipe: Any) -> list[str]:
     ("name", "world", "layers", "lanes", "full", "mesh_shape"),
     [
         ("llama", 2, 2, (1, 2), True, None),
-        ("qwen2", 3, 3, (3,), False, None),  # a middle process hands steps on
+        # a middle process hands steps on; grouped experts in bfloat16 (their CPU branch:
+        # each rank traces the others' stages on meta, given CPU storage for the trace)
+        ("mixtral-bf16", 3, 3, (3,), False, None),
         # FSDP: a tied head, replicas with their own prompts, each stage gathered whole
         ("gpt2", 4, 2, (2,), False, (2, 2, 1)),
         # FSDP and tensor parallelism together: each stage's shards gathered by FSDP, then
         # what is still cut over tp gathered whole, for the call
         ("llama", 8, 2, (2,), False, (2, 2, 2)),
     ],
-    ids=["llama-2-ranks", "qwen2-3-ranks", "gpt2-2x2x1-fsdp", "llama-2x2x2-fsdp-tp"],
+    ids=["llama-2-ranks", "mixtral-bf16-3-ranks", "gpt2-2x2x1-fsdp", "llama-2x2x2-fsdp-tp"],
 )
 def test_every_rank_returns_the_model_own_tokens(
     tmp_path: Path, name: str, world: int, layers: int, lanes: tuple[int, ...], full: bool,
