@@ -117,8 +117,8 @@ class RankGenerator(Generator):
             raise result
         return result
 
-    #: Two lanes over one, 2 processes on 2 cores (``benchmarks/generate.py``): 0.83x with
-    #: 2 rows a lane, 1.07x with 4, 1.09x with 8, 1.44x with 16, 1.47x with 32.
+    #: Two lanes over one, 2 processes on 2 cores (``benchmarks/generate.py``): 0.82x with
+    #: 2 rows a lane, 1.22x with 4, 1.19x with 8, 1.31x with 16, 1.47x with 32.
     lane_rows = 4
 
     def places(self) -> int:
