@@ -4,9 +4,9 @@ each value's kind and shape and, where they fit, the tensors' bytes (a step's sh
 between prefill and decode and from group to group, so the receiver learns them from the
 manifest rather than fixing them). A decode step's few kilobytes go in that one send; more
 values than the header's manifest holds take one more send, and tensors' bytes past what the
-buffer holds one more (a prompt's hidden states): each send costs a round of the transport,
-and two sends each way at once cost a few milliseconds on gloo, where one costs a tenth of
-that."""
+buffer holds one more (a prompt's hidden states): each send costs a round of the transport
+(traced in the ring of 2 processes with a header send and a payload send per message, sends
+of a few kilobytes took 4 to 8 ms while both processes waited)."""
 
 from __future__ import annotations
 
