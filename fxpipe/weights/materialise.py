@@ -20,7 +20,7 @@ an :class:`~fxpipe.errors.UninitialisedError` while any tensor is still pending.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from itertools import chain
 from typing import Any
 
@@ -49,26 +49,14 @@ def all_meta(model: nn.Module) -> bool:
     return all(t.is_meta for t in chain(model.parameters(), model.buffers()))
 
 
-@contextmanager
-def meta_view(model: nn.Module, *, live: bool = False) -> Iterator[None]:
+def meta_view(model: nn.Module, *, live: bool = False) -> AbstractContextManager[None]:
     """Within the block, the real tensors of ``model`` hold ``meta`` storage of their shape,
     so that a model partly on ``meta`` (parameters there, buffers real, as Accelerate's
     ``init_empty_weights`` leaves them), or spread over several devices, is traced and
     priced on one device; each gets its own storage back on exit (the same objects
     throughout). ``live``: a tensor an autograd graph still holds (a loss kept from the last
     step) is swapped too; nothing runs backward inside the block, and the swap is undone."""
-    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
-    try:
-        seen: set[int] = set()
-        for name, t in chain(model.named_parameters(), model.named_buffers()):
-            if not t.is_meta and id(t) not in seen:
-                seen.add(id(t))
-                empty = torch.empty_like(t, device="meta")
-                swapped.append((t, _swap_in(t, empty, name, check=not live)))
-        yield
-    finally:
-        for t, real in reversed(swapped):
-            torch._C._swap_tensor_impl(t, real)
+    return _storage_swapped(model, from_meta=False, device="meta", check=not live)
 
 
 def on_cpu_and_meta(model: nn.Module) -> bool:
@@ -78,22 +66,31 @@ def on_cpu_and_meta(model: nn.Module) -> bool:
     return found == {"cpu", "meta"}
 
 
-@contextmanager
-def cpu_view(model: nn.Module) -> Iterator[None]:
+def cpu_view(model: nn.Module) -> AbstractContextManager[None]:
     """Within the block, the tensors of ``model`` on ``meta`` hold uninitialised CPU storage
     of their shape, so that a model on the CPU and on ``meta`` is traced as the CPU runs it:
     its code's branches on the device (transformers' grouped experts count tokens per
     expert one way on the CPU and another elsewhere) taken as they will run. A trace writes
     none of that storage, and the kernel only reserves pages nobody writes. The same
     objects throughout; each gets its ``meta`` storage back on exit."""
+    return _storage_swapped(model, from_meta=True, device="cpu", check=False)
+
+
+@contextmanager
+def _storage_swapped(
+    model: nn.Module, *, from_meta: bool, device: str, check: bool
+) -> Iterator[None]:
+    """Within the block, each tensor of ``model`` on ``meta`` (``from_meta``) or off it (not)
+    holds empty storage of its shape on ``device``, each swapped once (a tied weight is one
+    tensor) and back on exit; ``check`` as :func:`_swap_in` takes it."""
     swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         seen: set[int] = set()
         for name, t in chain(model.named_parameters(), model.named_buffers()):
-            if t.is_meta and id(t) not in seen:
+            if t.is_meta == from_meta and id(t) not in seen:
                 seen.add(id(t))
-                empty = torch.empty_like(t, device="cpu")
-                swapped.append((t, _swap_in(t, empty, name, check=False)))
+                empty = torch.empty_like(t, device=device)
+                swapped.append((t, _swap_in(t, empty, name, check=check)))
         yield
     finally:
         for t, real in reversed(swapped):
