@@ -5,7 +5,6 @@ runtime's :class:`fxpipe.runtime.variants.Retrace` asks for it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ from fxpipe.progress import phase
 from fxpipe.trace.batch_checks import check_micro_batches
 from fxpipe.trace.constants import fill_meta_constants, place_constants
 from fxpipe.trace.tracing import Traced, fake_runnable
-from fxpipe.weights.materialise import meta_view
+from fxpipe.weights.materialise import placed_view
 
 __all__ = ["Retracer"]
 
@@ -61,11 +60,9 @@ class Retracer:
         plan = leader.plan
         batch = plan.costs.batch_size
         place = model_device(model)
-        example = _empty_example((args, dict(kwargs)), batch, place or torch.device("meta"))
+        view, traced_on = placed_view(model, place)
+        example = _empty_example((args, dict(kwargs)), batch, traced_on)
         pricing: PricingMode = "roofline"
-        view: AbstractContextManager[Any] = (
-            nullcontext() if place is not None else meta_view(model, live=True)
-        )
         with preserved(model), view:
             front = traced_example(
                 model, *example, tracer=_tracer(leader.traced.tracer), pricing=pricing,

@@ -47,7 +47,16 @@ from fxpipe.trace.example_checks import (
     with_reductions,
 )
 from fxpipe.trace.tracing import Traced, fake_runnable, trace
-from fxpipe.weights.materialise import all_meta, check_meta_pricing, holds_meta, meta_view, on_meta
+from fxpipe.weights.materialise import (
+    all_meta,
+    check_meta_pricing,
+    cpu_view,
+    holds_meta,
+    meta_view,
+    on_cpu,
+    on_cpu_and_meta,
+    on_meta,
+)
 
 __all__ = [
     "Compiled",
@@ -126,6 +135,7 @@ def traced_once(
                         pricing=options.pricing(),
                         reductions=options.reductions,
                         whole=options.chunks == 1,
+                        run_on=stages.targets,
                     )
                 )
                 if options.replicate_weights:
@@ -155,6 +165,7 @@ def traced_example(
     pricing: PricingMode | Callable[[fx.Node], float],
     reductions: bool = True,
     whole: bool = False,
+    run_on: Sequence[torch.device] = (),
 ) -> Iterator[tuple[Traced, int]]:
     """``model`` traced on the example, whose outputs are checked to follow its batch; yields
     (the traced model, the batch size). With ``reductions``, outputs that reduce over the
@@ -163,15 +174,24 @@ def traced_example(
     per-sample value computed from a reduction over the batch is refused unless ``whole``
     (the batch runs as one micro-batch). A model built on ``meta`` is traced on a meta copy
     of the example (``pricing`` must not need real values); one that also holds real
-    tensors is seen as shapes only for the ``with`` block."""
+    tensors is seen as shapes only for the ``with`` block. Where every device of ``run_on``
+    (the stages') is the CPU and the model's real tensors are there too, its ``meta``
+    tensors hold uninitialised CPU storage for the ``with`` block instead, and the example
+    is on the CPU: code that asks its tensors' device (transformers' grouped experts count
+    tokens per expert one way on the CPU, another elsewhere) is traced as it will run."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model is a {type(model).__name__}, not an nn.Module; pass the module")
     view: AbstractContextManager[Any] = nullcontext()
-    if holds_meta(model):  # built on meta: traced and priced on a meta copy of the example
+    on_the_cpu = bool(run_on) and all(d.type == "cpu" for d in run_on)
+    if holds_meta(model):  # built on meta: traced and priced on a copy of the example
         check_meta_pricing(model, pricing)
-        example_input, example_kwargs = on_meta((example_input, example_kwargs))
-        if not all_meta(model):  # real tensors beside meta ones: planned as shapes only
-            view = meta_view(model)
+        if on_the_cpu and (all_meta(model) or on_cpu_and_meta(model)):  # as the stages will run it
+            example_input, example_kwargs = on_cpu((example_input, example_kwargs))
+            view = cpu_view(model)
+        else:
+            example_input, example_kwargs = on_meta((example_input, example_kwargs))
+            if not all_meta(model):  # real tensors beside meta ones: planned as shapes only
+                view = meta_view(model)
     with view:
         args = example_args(example_input)
         batch = example_batch(inspect.signature(model.forward), args, example_kwargs or {})

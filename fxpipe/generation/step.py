@@ -20,7 +20,6 @@ import contextlib
 import io
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -44,7 +43,7 @@ from fxpipe.passes.split.plan import build_plan
 from fxpipe.trace.constants import fill_meta_constants, place_constants
 from fxpipe.trace.shapes import replicate_shape_queries
 from fxpipe.trace.tracing import merge_aliased_attributes
-from fxpipe.weights.materialise import cpu_view, meta_view, on_cpu_and_meta
+from fxpipe.weights.materialise import placed_view
 
 __all__ = ["StepKind", "KINDS", "StepVariant", "trace_step", "STEP_INPUTS", "SEQ2SEQ_INPUTS"]
 
@@ -100,15 +99,7 @@ def trace_step(
     ``meta`` get CPU storage for the trace, so code that asks the device runs its CPU
     branch); else on ``meta`` views of them. The model is left as it was."""
     place = model_device(model)
-    view: AbstractContextManager[Any] = nullcontext()
-    if place is None and on_cpu_and_meta(model):
-        view = cpu_view(model)
-        traced_on = torch.device("cpu")
-    elif place is None:  # a tensor a replica's gradient hooks hold is swapped and back
-        view = meta_view(model, live=True)  # (nothing runs backward)
-        traced_on = torch.device("meta")
-    else:
-        traced_on = place
+    view, traced_on = placed_view(model, place)
     form = step_form(model, layout, argument, kind, rows, traced_on)
     example = form.example
     with preserved(model), view, _quiet():

@@ -52,6 +52,7 @@ class Session:
         self._modules_at_build = module_ids(model)
         self._workers: Executor | None = None
         first = self._variant(modes_of(model), traced, plan, program)
+        self.materialised.settle()  # the checks' fake runs initialise nothing
         if config.deferred_batch_norm:
             first.statistics.warned = True  # asked for: the docs say what it changes
         self._workers = first.executor

@@ -20,7 +20,7 @@ an :class:`~fxpipe.errors.UninitialisedError` while any tensor is still pending.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
 from typing import Any
 
@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_map
 from fxpipe.errors import CheckpointError, ConfigError, DeviceError, UninitialisedError
 
 __all__ = [
-    "holds_meta", "all_meta", "on_meta", "meta_view", "cpu_view", "on_cpu_and_meta",
-    "check_meta_pricing", "Materialised",
+    "holds_meta", "all_meta", "on_meta", "on_cpu", "meta_view", "cpu_view", "on_cpu_and_meta",
+    "placed_view", "check_meta_pricing", "Materialised",
 ]  # fmt: skip
 
 #: How many keys an error message names before it gives the count.
@@ -68,12 +68,27 @@ def on_cpu_and_meta(model: nn.Module) -> bool:
 
 def cpu_view(model: nn.Module) -> AbstractContextManager[None]:
     """Within the block, the tensors of ``model`` on ``meta`` hold uninitialised CPU storage
-    of their shape, so that a model on the CPU and on ``meta`` is traced as the CPU runs it:
-    its code's branches on the device (transformers' grouped experts count tokens per
-    expert one way on the CPU and another elsewhere) taken as they will run. A trace writes
+    of their shape, so that a model on ``meta`` (and maybe the CPU) is traced as the CPU
+    runs it: its code's branches on the device (transformers' grouped experts count tokens
+    per expert one way on the CPU and another elsewhere) taken as they will run. A trace writes
     none of that storage, and the kernel only reserves pages nobody writes. The same
     objects throughout; each gets its ``meta`` storage back on exit."""
     return _storage_swapped(model, from_meta=True, device="cpu", check=False)
+
+
+def placed_view(
+    model: nn.Module, place: torch.device | None
+) -> tuple[AbstractContextManager[None], torch.device]:
+    """Where a placed model is traced again (a variant of its pipeline), with the view that
+    puts it there: on ``place``, the one device its tensors share, where they share one; on
+    the CPU where they lie on the CPU and ``meta`` (a rank's model: :func:`cpu_view`); else
+    on ``meta`` views of them, a tensor a replica's gradient hooks hold swapped and back
+    (nothing runs backward)."""
+    if place is not None:
+        return nullcontext(), place
+    if on_cpu_and_meta(model):
+        return cpu_view(model), torch.device("cpu")
+    return meta_view(model, live=True), torch.device("meta")
 
 
 @contextmanager
@@ -120,6 +135,18 @@ def _swap_in(
 def on_meta(value: Any) -> Any:
     """``value`` with every tensor in it (through lists, tuples, dicts) moved to ``meta``."""
     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, value)
+
+
+def on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (through lists, tuples, dicts) on the CPU: one on
+    ``meta`` as zeros of its shape and dtype (an example's token ids stay in range)."""
+
+    def moved(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return torch.zeros(t.shape, dtype=t.dtype) if t.is_meta else t.to("cpu")
+
+    return tree_map(moved, value)
 
 
 def check_meta_pricing(model: nn.Module, pricing: object) -> None:
@@ -197,6 +224,12 @@ class Materialised:
                 if buffer is not None and id(buffer) in made:
                     extra.add(f"{module_name}.{name}" if module_name else name)
         self.extra_keys = frozenset(extra)
+
+    def settle(self) -> None:
+        """Count the tensors still uninitialised from now: the build's own checks run the
+        graph on fake tensors, and a buffer written there (restored after) has its version
+        counter moved all the same, which is no initialisation."""
+        self._pending = {i: (t, t._version) for i, (t, _) in self._pending.items()}
 
     def undo(self) -> None:
         """Put every made tensor back on ``meta`` (the model as it was before)."""
