@@ -528,9 +528,11 @@ def _same(value: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 @pytest.mark.slow
 def test_compiled_stages_cut_over_two_ranks_equal_eager(tmp_path: Path) -> None:
     """compile= with tensor parallelism: each rank's cut program (its DTensor products)
-    through torch.compile, at 1 x 1 x 2; the step equals eager's, every stage compiled."""
+    through torch.compile, at 1 x 1 x 2; the step equals eager's, every stage compiled.
+    Dynamo and AOT autograd over the DTensors, without inductor's C++ (48 s of the suite's
+    time); inductor on ranks is test_build's compiled case."""
     runs = results(launch(train, 2, tmp_path, name="transformer", schedule="gpipe", tp=2,
-                          compile=True))  # fmt: skip
+                          compile={"backend": "aot_eager"}))  # fmt: skip
     _check(runs, 2)
     for r in runs:  # (compiled, graphs) per stage of the rank: each compiled, no fallback
         assert r["compiled"] and all(ok and graphs > 0 for ok, graphs in r["compiled"])
