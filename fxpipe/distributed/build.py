@@ -38,7 +38,7 @@ from fxpipe.distributed.planning.auto import AUTO, choose_schedule
 from fxpipe.distributed.planning.tensor_parallel import plan_tensor_parallel, rank_costs
 from fxpipe.distributed.rank.asynchronous import batch_statistics
 from fxpipe.distributed.rank.runner import DistributedPipeline
-from fxpipe.distributed.rank.shapes import Metas, example_shapes, meta_like, tensors
+from fxpipe.distributed.rank.shapes import Metas, example_shapes, meta_like, shapes_at, tensors
 from fxpipe.distributed.rank.step_shapes import StepShapes
 from fxpipe.errors import ConfigError, InputError, PlanError
 from fxpipe.ir import CostMode, StageProgram, TracerName
@@ -238,7 +238,11 @@ def _build(
             compiled = _plan_cut(planning, options, compiled, layout.tp_mesh.size(), given)
     plan, program, binder = compiled.plan, compiled.program, compiled.traced.binder
     values = binder.bind(mb_args, mb_kwargs)
-    found = example_shapes(model, program, values)
+    if target.type != "meta" and any(t.is_meta for t in tensors(values)):
+        # a model on meta: its program runs on the rank's device (the trace asserts it)
+        found = shapes_at(program, values, target)
+    else:
+        found = example_shapes(model, program, values)
     metas = list(found.metas)
     metas[0] = (tuple(meta_like(t) for t in tensors(mb_args)), metas[0][1])
     check_weight_part(options.schedule, program, metas)

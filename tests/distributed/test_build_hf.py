@@ -139,12 +139,20 @@ def _bodies(gm: fx.GraphModule) -> list[str]:
 ZERO_BUBBLE = {"zbvzerobubble": BATCH, "interleavedzerobubble": N_MB}
 
 
-def _pipelined(name: str, cost: str, schedule: str = "1f1b") -> dict[str, Any]:
+def _pipelined(
+    name: str, cost: str, schedule: str = "1f1b", *, meta: bool = False
+) -> dict[str, Any]:
     """One pipelined step of model ``name`` (1F1B, or a zero-bubble schedule over two stages
-    per rank): this rank's loss (last stage), gradients and what it planned."""
+    per rank): this rank's loss (last stage), gradients and what it planned. ``meta``: the
+    model built on ``meta``, then its stage loaded (with the non-persistent buffers)."""
     ids, kwargs, target = _batch()
+    if meta:
+        with torch.device("meta"):
+            model = MODELS[name]().double()
+    else:
+        model = _build(name)
     pipe = fd.pipeline_schedule(
-        _build(name),
+        model,
         ids,
         example_kwargs=kwargs,
         schedule=schedule,
@@ -154,6 +162,9 @@ def _pipelined(name: str, cost: str, schedule: str = "1f1b") -> dict[str, Any]:
         cost=cost,
         stages_per_rank=2 if schedule in ZERO_BUBBLE else 1,
     )
+    if meta:
+        full = _build(name)
+        pipe.load_stage_state_dict({**full.state_dict(), **dict(full.named_buffers())})
     losses: list[Any] = []
     pipe.step(
         *((ids,) if pipe.is_first else ()),
@@ -182,6 +193,8 @@ def _train(rank: int, world: int, *, cost: str) -> dict[str, Any]:
     runs = {name: _pipelined(name, cost) for name in MODELS}
     for schedule in ZERO_BUBBLE if cost == "flops" else ():  # the schedule, not the costs
         runs[f"mixtral/{schedule}"] = _pipelined("mixtral", cost, schedule)
+    if cost == "flops":  # cost="time" cannot run a model on meta (refused: below)
+        runs["mixtral/meta"] = _pipelined("mixtral", cost, meta=True)
     return runs
 
 
@@ -220,6 +233,15 @@ def test_hf_mixtral_under_zero_bubble_matches_eager(ranks: Any, schedule: str) -
     results = [r[f"mixtral/{schedule}"] for r in by_rank]
     assert sorted(j for r in results for j in r["stages"]) == [0, 1, 2, 3]
     _check_against_eager("mixtral", results)
+
+
+@pytest.mark.parametrize("ranks", ["flops"], indirect=True)
+def test_hf_mixtral_built_on_meta_and_loaded_matches_eager(ranks: Any) -> None:
+    """Built under ``torch.device("meta")``: the export trace asserts each activation's
+    device, so the stages' shapes are found on fake tensors of the ranks' device (found on
+    ``meta`` ones, the build failed with a device mismatch), then the stage loaded."""
+    _, by_rank = ranks
+    _check_against_eager("mixtral", [r["mixtral/meta"] for r in by_rank])
 
 
 def _check_against_eager(name: str, results: list[dict[str, Any]]) -> None:
