@@ -70,9 +70,9 @@ def cpu_view(model: nn.Module) -> AbstractContextManager[None]:
     """Within the block, the tensors of ``model`` on ``meta`` hold uninitialised CPU storage
     of their shape, so that a model on ``meta`` (and maybe the CPU) is traced as the CPU
     runs it: its code's branches on the device (transformers' grouped experts count tokens
-    per expert one way on the CPU and another elsewhere) taken as they will run. A trace writes
-    none of that storage, and the kernel only reserves pages nobody writes. The same
-    objects throughout; each gets its ``meta`` storage back on exit."""
+    per expert one way on the CPU and another elsewhere) taken as they will run. A trace
+    writes none of that storage, and the kernel only reserves pages nobody writes. The
+    same objects throughout; each gets its ``meta`` storage back on exit."""
     return _storage_swapped(model, from_meta=True, device="cpu", check=False)
 
 
