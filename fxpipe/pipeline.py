@@ -114,7 +114,9 @@ class Pipeline(DropIn):
         are in flight at once, long prompts in steps of ``prefill_chunk`` tokens
         (:mod:`fxpipe.generation`); the model's forward does not
         generate (it runs once, over two positions, to learn each layer's cache). Greedy
-        search and beam search give the model's own tokens."""
+        search and beam search give the model's own tokens. A model built on ``meta`` must
+        be loaded first (:class:`~fxpipe.errors.UninitialisedError`)."""
+        self._session.check_loaded()  # before tracing a step: nothing runs on empty memory
         if self._generator is None:
             first = self._session.variants.first
             self._generator = Generator(self.module, first.plan, first.program)

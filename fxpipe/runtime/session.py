@@ -121,6 +121,12 @@ class Session:
         """Each variant's stages' compilation records, the first variant's first."""
         return tuple(c for v in self.variants.all for c in v.compilation)
 
+    def check_loaded(self) -> None:
+        """UninitialisedError while a tensor made from ``meta`` is still unloaded (before a
+        call or a ``generate()``: nothing runs on uninitialised memory)."""
+        if self.materialised.active:
+            self.materialised.check()
+
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``model(*args, **kwargs)`` as micro-batches through the variant that fits the call
         and the model's modes (made now where none does), in the model's structure."""
@@ -130,8 +136,7 @@ class Session:
                 "parameter or buffer was replaced, added or removed); call fxpipe.pipeline() "
                 "again on the model, or change values in place (param.data.copy_(...))"
             )
-        if self.materialised.active:  # built on meta: every tensor must be loaded
-            self.materialised.check()
+        self.check_loaded()
         variant = self.variants.pick(args, kwargs)
         values = variant.traced.binder.bind(args, kwargs)
         device = self.config.output_device or _first_device(values)

@@ -162,7 +162,12 @@ def _pipelined(
         cost=cost,
         stages_per_rank=2 if schedule in ZERO_BUBBLE else 1,
     )
+    refused = None
     if meta:
+        try:  # before any communication, on every rank: nothing runs on empty memory
+            pipe.generate(ids, max_new_tokens=2)
+        except ConfigError as e:
+            refused = str(e)
         full = _build(name)
         pipe.load_stage_state_dict({**full.state_dict(), **dict(full.named_buffers())})
     losses: list[Any] = []
@@ -184,6 +189,7 @@ def _pipelined(
         "sent": [e.value for e in pipe.plan.edges],
         "bodies": [b for m in pipe.stage_modules for b in _bodies(m)],
         "all_bodies": _bodies(pipe.plan.graph_module),
+        "refused": refused,
     }
 
 
@@ -239,8 +245,13 @@ def test_hf_mixtral_under_zero_bubble_matches_eager(ranks: Any, schedule: str) -
 def test_hf_mixtral_built_on_meta_and_loaded_matches_eager(ranks: Any) -> None:
     """Built under ``torch.device("meta")``: the export trace asserts each activation's
     device, so the stages' shapes are found on fake tensors of the ranks' device (found on
-    ``meta`` ones, the build failed with a device mismatch), then the stage loaded."""
+    ``meta`` ones, the build failed with a device mismatch); generate() is refused until
+    the stage is loaded, then the step equals eager's."""
     _, by_rank = ranks
+    for r in by_rank:  # generate() before loading: refused with the remedy
+        assert r["mixtral/meta"]["refused"] is not None, "generate ran on unloaded stages"
+        assert "never loaded" in r["mixtral/meta"]["refused"]
+        assert "load_stage_state_dict" in r["mixtral/meta"]["refused"]
     _check_against_eager("mixtral", [r["mixtral/meta"] for r in by_rank])
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import fxpipe
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, UninitialisedError
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,6 +170,22 @@ def test_in_bfloat16_with_grouped_experts_the_tokens_are_the_model_own() -> None
     out = pipe.generate(ids, attention_mask=mask, max_new_tokens=5, num_beams=3, lanes=2)
     assert torch.equal(out, beams)
     assert pipe._generator.layout().layers[0].dtype == torch.bfloat16  # type: ignore[union-attr]
+
+
+def test_a_model_built_on_meta_generates_only_once_loaded_and_then_its_own_tokens() -> None:
+    """Mixtral in bfloat16 built on ``meta`` (its grouped experts traced as the CPU runs
+    them): generate() before loading is refused, as a call is, rather than run on the
+    stages' uninitialised memory; the remedy followed, the tokens are the model's."""
+    model = built(mixtral).to(torch.bfloat16)
+    with torch.device("meta"):
+        empty = built(mixtral).to(torch.bfloat16)
+    ids, mask = prompts()
+    greedy = model.generate(ids, attention_mask=mask, max_new_tokens=6)
+    pipe = fxpipe.pipeline(empty, ids, ["cpu"] * 2, example_kwargs={"attention_mask": mask})
+    with pytest.raises(UninitialisedError, match="load_state_dict"):
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=6)
+    pipe.load_state_dict({**model.state_dict(), **dict(model.named_buffers())})
+    assert torch.equal(pipe.generate(ids, attention_mask=mask, max_new_tokens=6, lanes=2), greedy)
 
 
 def test_four_stages_four_lanes_five_groups_a_lane_takes_the_next_group_when_done() -> None:

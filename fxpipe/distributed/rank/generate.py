@@ -51,7 +51,10 @@ class Generates:
         last stage's rank, and every rank returns the generated sequences. Under
         ``data_parallel="fsdp"`` or tensor parallelism each rank holds its stage's weights
         whole for the call (see :meth:`_whole_stage`; a stage's tp ranks generate alike).
-        One stage per rank (ConfigError naming the remedy)."""
+        One stage per rank (ConfigError naming the remedy); a stage made from ``meta`` must
+        be loaded first (ConfigError, before any communication)."""
+        for stage in self.stages:
+            stage.check_loaded()
         if self._generator is None:
             self._generator = self._make_generator()
         with self._whole_stage():

@@ -219,10 +219,9 @@ class Stage(PipelineStage):
         if self.grad_recv_info:
             self._prepare_backward_infra(self.n_microbatches)
 
-    def check_step(self) -> None:
-        """Called on every stage at the start of a step, before any communication: a rank
-        whose stages hold uninitialised memory, or a tied copy updated without a sum, stops
-        there."""
+    def check_loaded(self) -> None:
+        """ConfigError while this stage holds tensors made from ``meta`` and never loaded
+        (before a step or a ``generate()``, and before any communication)."""
         if self.unloaded:
             keys = sorted(self.unloaded)
             shown = ", ".join(repr(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
@@ -230,8 +229,14 @@ class Stage(PipelineStage):
                 f"the model was built on 'meta' and this rank's stages hold {len(keys)} "
                 f"tensor(s) that were never loaded ({shown}): their memory is uninitialised; "
                 "call load_stage_state_dict(full_state_dict) or load_checkpoint(path) on every "
-                "rank before the first step"
+                "rank before the first step or generate()"
             )
+
+    def check_step(self) -> None:
+        """Called on every stage at the start of a step, before any communication: a rank
+        whose stages hold uninitialised memory, or a tied copy updated without a sum, stops
+        there."""
+        self.check_loaded()
         self.tied.step_started()
         if self.statistics is not None:
             self.statistics.warn_once(self.n_microbatches)
