@@ -132,7 +132,7 @@ def step_form(
 ) -> Form:  # fmt: skip
     """The module and example of a step of ``kind`` over lanes of ``rows`` rows."""
     dim = torch.export.Dim
-    r = {0: dim("rows", min=2)} if rows > 1 else {}
+    r = {0: _free("rows")} if rows > 1 else {}
     if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         tokens = 1 if kind == "decode" else 3
@@ -184,9 +184,20 @@ def _dynamic(layout: CacheLayout, rows: int, tokens: int) -> tuple[Any, ...]:
     """torch.export's dynamic dims, one named size each: rows (unless one), tokens (unless
     one), the cache's length (shared by the mask and every layer's keys and values)."""
     dim = torch.export.Dim
-    r = {0: dim("rows", min=2)} if rows > 1 else {}
-    t = dim("tokens", min=2) if tokens > 1 else None
+    r = {0: _free("rows")} if rows > 1 else {}
+    t = _free("tokens") if tokens > 1 else None
     length = dim("length", min=2)
     ids = {**r, 1: t} if t is not None else r
     caches = [{**r, 2: length} for _ in range(2 * len(layout.layers))]
     return (ids, {**r, 1: length}, ids, {0: t} if t is not None else {}, caches)
+
+
+def _free(name: str) -> Any:
+    """A dynamic size of at least 2 that torch.export does not name: each input gets a size
+    of its own, which export equates where the model combines them. A named size makes
+    export prove every guard on it symbolically, which it cannot for some it emits
+    (Llama 4's experts reshape rows x tokens: ``n * Min(32, 32 * n) == 32 * n``); the
+    cache's length stays named, as every layer's cache and the mask share it. Where torch
+    has no such hint (before 2.6), the named size."""
+    hint = getattr(torch.export.Dim, "DYNAMIC", None)
+    return hint(min=2) if callable(hint) else torch.export.Dim(name, min=2)

@@ -109,10 +109,11 @@ def trace_step(
             )
         except Exception as e:
             raise ConfigError(
-                f"pipelined generate() could not trace {type(model).__name__} with a static "
-                f"cache as stage state ({error_line(e)}); a model whose attention reads its "
-                "cache by the positions written so far (a window sliced from a buffer) needs "
-                "a cache that grows: call the model's own generate() on one device"
+                f"pipelined generate() could not trace {type(model).__name__}'s {kind} step "
+                f"with a static cache as stage state: torch.export said {error_line(e)} (a "
+                "model whose attention slices its cache by the positions written so far, "
+                "for one, needs a cache that grows); call the model's own generate() on one "
+                "device"
             ) from e
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not properly registered")

@@ -71,6 +71,16 @@ def gemma3(layers: int = 2) -> nn.Module:
     return transformers.Gemma3ForCausalLM(config)
 
 
+def llama4(layers: int = 2) -> nn.Module:
+    config = transformers.Llama4TextConfig(
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+        attention_chunk_size=4, **_common(),
+    )  # experts on every layer, attention in chunks shorter than the prompt  # fmt: skip
+    return transformers.Llama4ForCausalLM(config)
+
+
 def prompts(rows: int = 5, length: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and mask, left-padded to mixed lengths (rows 1 and 3 shorter)."""
     g = torch.Generator().manual_seed(seed)
@@ -112,7 +122,9 @@ def _real(t: torch.Tensor) -> bool:
     return not t.is_meta and not isinstance(t, FakeTensor)
 
 
-@pytest.mark.parametrize("make", [gpt2, llama, qwen2, mixtral, gemma3], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "make", [gpt2, llama, qwen2, mixtral, gemma3, llama4], ids=lambda f: f.__name__
+)
 def test_greedy_and_beam_search_equal_model_generate_token_for_token(
     make: Callable[..., nn.Module],
 ) -> None:
