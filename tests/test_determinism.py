@@ -81,10 +81,11 @@ def _in_fresh_processes(*hash_seeds: str) -> list[dict[str, str]]:
 
 
 def test_the_plan_is_the_same_on_every_run_here_and_in_fresh_processes() -> None:
-    """Twice in this process, and in two fresh ones with other hash seeds (one test, so that
+    """Twice in this process, and in a fresh one with another hash seed (one test, so that
     the plans made here are made once, on one worker of ``pytest -n``)."""
     here = plan_hashes()
     assert len(here) == len(MODELS) * len(MODES) * len(STAGES)
     assert plan_hashes() == here
-    first, second = _in_fresh_processes("1", "2024")
-    assert first == second == here
+    seed = "2024" if os.environ.get("PYTHONHASHSEED") != "2024" else "1"
+    (fresh,) = _in_fresh_processes(seed)  # a seed other than this process's
+    assert fresh == here
