@@ -1,7 +1,7 @@
 """Every rank gets the same default plan: a fresh process with another hash seed and another
 torch thread count, beside a competing load, makes the plan this process makes (one fresh
-process: two, of two seeds, took about 15 s more of the suite; plans by parameters in fresh
-processes of two other seeds: tests/test_determinism.py)."""
+process: two, of two seeds, took about 15 s more of the suite; plans by parameters in a fresh
+process of another seed: tests/test_determinism.py)."""
 
 from __future__ import annotations
 
