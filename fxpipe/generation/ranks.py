@@ -44,11 +44,14 @@ from fxpipe.generation.wire import (
     STOP,
     Inbox,
     Message,
+    Packet,
+    encode,
     error_message,
     error_text,
     in_order,
     named,
     send_message,
+    send_packet,
 )
 from fxpipe.ir import PipelinePlan, StageProgram, ValueRef
 from fxpipe.runtime.recording import RunRecorder
@@ -185,7 +188,7 @@ class RankGenerator(Generator):
         """Run this process's stage for every step that comes until a STOP (passed on)."""
         inbox = self._inbox()
         pools: dict[int, StageCaches] = {}
-        outbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        outbox: queue.SimpleQueue[Packet] = queue.SimpleQueue()
         failed: list[BaseException] = []
         sender = threading.Thread(
             target=self._send_all, args=(outbox, failed), name="fxpipe-send", daemon=True
@@ -194,28 +197,29 @@ class RankGenerator(Generator):
         while True:
             message = inbox.next()
             if message.command == STEP:
-                try:
-                    message = self._serve_step(message, pools)
+                try:  # encoded here: a value the messages cannot carry is the lane's error
+                    packet = encode(self._serve_step(message, pools), self.comm)
                 except Exception as e:  # to the lane, which raises it
-                    message = error_message(message.lane, e)
+                    packet = encode(error_message(message.lane, e), self.comm)
+            else:
+                packet = encode(message, self.comm)
             if failed:  # the sender could not send: this process raises (the others time out)
                 raise failed[0]
-            outbox.put(message)
+            outbox.put(packet)
             if message.command == STOP:
                 sender.join()
                 if failed:
                     raise failed[0]
                 return
 
-    def _send_all(self, outbox: queue.SimpleQueue[Message], failed: list[BaseException]) -> None:
+    def _send_all(self, outbox: queue.SimpleQueue[Packet], failed: list[BaseException]) -> None:
         """Send each message of ``outbox`` to the next stage's process, the STOP last; what
         a send raised goes to ``failed``."""
         try:
             while True:
-                message = outbox.get()
-                dst = self.peers[self.stage + 1]
-                send_message(message, dst, self.group, self.comm, tag=_HOP)
-                if message.command == STOP:
+                packet = outbox.get()
+                send_packet(packet, self.peers[self.stage + 1], self.group, tag=_HOP)
+                if packet.command == STOP:
                     return
         except BaseException as e:
             failed.append(e)

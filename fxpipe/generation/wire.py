@@ -24,10 +24,13 @@ from fxpipe.errors import ConfigError
 __all__ = [
     "Inbox",
     "Message",
+    "Packet",
     "STEP",
     "STOP",
     "ERROR",
     "send_message",
+    "encode",
+    "send_packet",
     "recv_message",
     "error_message",
     "error_text",
@@ -43,14 +46,18 @@ _FIELDS = ("command", "lane", "kind", "one_row", "rows", "length", "seen", "sour
 _WIDTH, _MAX_DIMS = 10, 8
 #: Values whose manifest rows travel in the header's send (the rest in one more).
 _IN_HEADER = 16
-#: Bytes of the first send: the header (its fields and ``_IN_HEADER`` manifest rows of 8-byte
-#: numbers), then room for the tensors' bytes of a message whose bytes fit (else unused).
-_HEAD_BYTES = 8 * (len(_FIELDS) + _IN_HEADER * _WIDTH)
+#: 8-byte numbers of the header: its fields and ``_IN_HEADER`` manifest rows, made even so
+#: that the tensors' bytes after it start on 16 bytes (where a complex128 view may).
+_HEAD_WORDS = -(-(len(_FIELDS) + _IN_HEADER * _WIDTH) // 2) * 2
+#: Bytes of the first send: the header, then room for the tensors' bytes of a message whose
+#: bytes fit (else unused).
+_HEAD_BYTES = 8 * _HEAD_WORDS
 _INLINE = 1 << 16
 #: Tensor dtypes by their code (a value's kind); negative codes are Python scalars.
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128,  # Llama 4's rotary table is complex
 )  # fmt: skip
 _INT, _FLOAT, _BOOL, _NONE = -1, -2, -3, -4
 
@@ -73,6 +80,50 @@ class Message:
     values: tuple[Any, ...] = field(default=())
 
 
+@dataclass(frozen=True)
+class Packet:
+    """A message encoded for its sends: the first buffer (the header, the first values'
+    manifest rows and, where they fit, every tensor's bytes), the further manifest rows and
+    the tensors' bytes that did not fit (each ``None`` where there are none)."""
+
+    command: int
+    first: torch.Tensor
+    more: torch.Tensor | None
+    packed: torch.Tensor | None
+
+
+def encode(message: Message, device: torch.device) -> Packet:
+    """``message`` as the buffers :func:`send_packet` sends (tensors via ``device``); a value
+    the messages do not carry raises ConfigError here, before anything is sent."""
+    rows = [_entry(v) for v in message.values]
+    head = [getattr(message, f) for f in _FIELDS[:-1]] + [len(rows)]
+    first = rows[:_IN_HEADER] + [[0] * _WIDTH] * (_IN_HEADER - len(rows[:_IN_HEADER]))
+    flat = head + [x for row in first for x in row]
+    flat += [0] * (_HEAD_WORDS - len(flat))
+    header = torch.tensor(flat, dtype=torch.long, device=device).view(torch.uint8)
+    tensors = [v for v in message.values if isinstance(v, torch.Tensor) and v.numel()]
+    packed = torch.cat([_bytes(t.detach().to(device)) for t in tensors]) if tensors else None
+    inline = packed is None or packed.numel() <= _INLINE
+    body = packed if inline and packed is not None else header[:0]
+    rest = torch.zeros(_INLINE - body.numel(), dtype=torch.uint8, device=device)
+    more = rows[_IN_HEADER:]
+    return Packet(
+        message.command, torch.cat([header, body, rest]),
+        torch.tensor(more, dtype=torch.long, device=device) if more else None,
+        None if inline else packed,
+    )  # fmt: skip
+
+
+def send_packet(
+    packet: Packet, dst: int, group: dist.ProcessGroup | None, *, tag: int = 0
+) -> None:
+    """Send an encoded message to global rank ``dst`` over ``group`` under ``tag``: its first
+    buffer, then any further manifest rows and any tensors' bytes, one send each."""
+    for part in (packet.first, packet.more, packet.packed):
+        if part is not None:
+            dist.send(part, dst, group=group, tag=tag)
+
+
 def send_message(
     message: Message,
     dst: int,
@@ -82,26 +133,8 @@ def send_message(
     tag: int = 0,
 ) -> None:
     """Send ``message`` to global rank ``dst`` over ``group`` under ``tag`` (tensors via
-    ``device``): one buffer of the header, the first values' manifest rows and, where they
-    fit, every tensor's bytes; any further manifest rows in a second send, and tensors' bytes
-    that do not fit in one more."""
-    rows = [_entry(v) for v in message.values]
-    head = [getattr(message, f) for f in _FIELDS[:-1]] + [len(rows)]
-    first = rows[:_IN_HEADER] + [[0] * _WIDTH] * (_IN_HEADER - len(rows[:_IN_HEADER]))
-    flat = head + [x for row in first for x in row]
-    header = torch.tensor(flat, dtype=torch.long, device=device).view(torch.uint8)
-    tensors = [v for v in message.values if isinstance(v, torch.Tensor) and v.numel()]
-    packed = torch.cat([_bytes(t.detach().to(device)) for t in tensors]) if tensors else None
-    inline = packed is None or packed.numel() <= _INLINE
-    body = packed if inline and packed is not None else header[:0]
-    rest = torch.zeros(_INLINE - body.numel(), dtype=torch.uint8, device=device)
-    dist.send(torch.cat([header, body, rest]), dst, group=group, tag=tag)
-    if len(rows) > _IN_HEADER:
-        more = torch.tensor(rows[_IN_HEADER:], dtype=torch.long, device=device)
-        dist.send(more, dst, group=group, tag=tag)
-    if not inline:
-        assert packed is not None
-        dist.send(packed, dst, group=group, tag=tag)
+    ``device``): :func:`encode`, then :func:`send_packet`."""
+    send_packet(encode(message, device), dst, group, tag=tag)
 
 
 def recv_message(
@@ -193,16 +226,16 @@ def _message(
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's contents as flat bytes, padded to a multiple of 8 (so that each tensor in
-    a packed buffer starts where a view of any dtype may)."""
+    """A tensor's contents as flat bytes, padded to a multiple of 16 (so that each tensor in
+    a packed buffer starts where a view of any dtype may: complex128's elements are 16)."""
     data = t.contiguous().reshape(-1).view(torch.uint8)
     pad = _padded(data.numel()) - data.numel()
     return torch.nn.functional.pad(data, (0, pad)) if pad else data
 
 
 def _padded(size: int) -> int:
-    """``size`` bytes rounded up to a multiple of 8."""
-    return -(-size // 8) * 8
+    """``size`` bytes rounded up to a multiple of 16."""
+    return -(-size // 16) * 16
 
 
 def error_message(lane: int, error: BaseException) -> Message:

@@ -22,14 +22,14 @@ import fxpipe.distributed as fd
 from fxpipe.distributed.parallel.ownership import full_tensor
 from fxpipe.errors import ConfigError
 from tests.distributed.ranks import launch, preload, results
-from tests.generation.test_driver import forward_forbidden, gpt2, llama, mixtral, prompts
+from tests.generation.test_driver import forward_forbidden, gpt2, llama, llama4, mixtral, prompts
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 preload(__name__)
 
 MAKERS = {
-    "llama": llama, "gpt2": gpt2,
+    "llama": llama, "gpt2": gpt2, "llama4": llama4,
     # transformers' grouped experts in bfloat16 (its kernels in that dtype, not float64's)
     "mixtral-bf16": lambda layers: mixtral(layers=layers).to(torch.bfloat16),
 }  # fmt: skip
@@ -136,7 +136,8 @@ def _sent_weights(pipe: Any) -> list[str]:
 @pytest.mark.parametrize(
     ("name", "world", "layers", "lanes", "full", "mesh_shape"),
     [
-        ("llama", 2, 2, (1, 2), True, None),
+        # Llama 4: experts, attention in chunks, a complex rotary table handed on
+        ("llama4", 2, 2, (1, 2), True, None),
         # a middle process hands steps on; grouped experts in bfloat16 (their CPU branch:
         # each rank traces the others' stages on meta, given CPU storage for the trace)
         ("mixtral-bf16", 3, 3, (3,), False, None),
@@ -146,7 +147,7 @@ def _sent_weights(pipe: Any) -> list[str]:
         # what is still cut over tp gathered whole, for the call
         ("llama", 8, 2, (2,), False, (2, 2, 2)),
     ],
-    ids=["llama-2-ranks", "mixtral-bf16-3-ranks", "gpt2-2x2x1-fsdp", "llama-2x2x2-fsdp-tp"],
+    ids=["llama4-2-ranks", "mixtral-bf16-3-ranks", "gpt2-2x2x1-fsdp", "llama-2x2x2-fsdp-tp"],
 )
 def test_every_rank_returns_the_model_own_tokens(
     tmp_path: Path, name: str, world: int, layers: int, lanes: tuple[int, ...], full: bool,

@@ -1,9 +1,10 @@
 """The messages of generation one process per stage, between 2 gloo ranks: every kind of
-value a step hands on comes back as it was sent (dtypes, shapes, an odd number of bytes
-before a wider dtype, an empty tensor, Python scalars, None), with more values than the
-header's manifest holds, a message whose bytes do not fit in its first send, and a message
-with no values; received when asked for, and by an inbox whose receive is posted before
-each message is sent."""
+value a step hands on comes back as it was sent (dtypes, complex ones among them, shapes, an
+odd number of bytes before a wider dtype, an empty tensor, Python scalars, None), with more
+values than the header's manifest holds, a message whose bytes do not fit in its first send,
+and a message with no values; received when asked for, and by an inbox whose receive is
+posted before each message is sent; what the messages do not carry refused as it is
+encoded."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from fxpipe.generation.wire import STEP, STOP, Inbox, Message, recv_message, send_message
+from fxpipe.errors import ConfigError
+from fxpipe.generation.wire import (
+    STEP,
+    STOP,
+    Inbox,
+    Message,
+    encode,
+    recv_message,
+    send_message,
+)
 from tests.distributed.ranks import launch, preload, results
 
 preload(__name__)
@@ -29,9 +40,12 @@ def _values() -> tuple[Any, ...]:
         torch.randint(0, 9, (3, 2), generator=g),
         torch.empty(0, 4),
         torch.randn(2, 3, generator=g)[:, 1:],  # not contiguous
+        torch.randn(3, 2, generator=g, dtype=torch.complex64),  # Llama 4's rotary table
+        torch.tensor([True]),  # 1 byte, then a complex128 must still line up
+        torch.randn(2, generator=g, dtype=torch.complex128),
         7, -3, 2.5, True, None,
     )  # fmt: skip
-    return first + tuple(torch.full((i + 1,), float(i)) for i in range(12))  # 23 values
+    return first + tuple(torch.full((i + 1,), float(i)) for i in range(12))  # 26 values
 
 
 def _job(rank: int, world: int) -> list[Message]:
@@ -80,3 +94,11 @@ def test_every_value_comes_back_as_sent(tmp_path: Path) -> None:
         assert len(s.values) == len(g.values)
         for i, (a, b) in enumerate(zip(s.values, g.values, strict=True)):
             assert _same(a, b), (i, a, b)
+
+
+def test_a_value_the_messages_do_not_carry_is_refused_as_it_is_encoded() -> None:
+    """Before any send (a process encodes each message it hands on, and what is refused
+    travels on as the lane's error instead of stopping the ring)."""
+    for value in (torch.zeros(2, dtype=torch.float8_e4m3fn), torch.zeros([1] * 9), "text"):
+        with pytest.raises(ConfigError, match="do not carry"):
+            encode(Message(STEP, 0, values=(torch.ones(2), value)), torch.device("cpu"))
