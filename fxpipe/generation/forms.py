@@ -181,8 +181,9 @@ def _example(layout: CacheLayout, rows: int, tokens: int, device: torch.device) 
 
 
 def _dynamic(layout: CacheLayout, rows: int, tokens: int) -> tuple[Any, ...]:
-    """torch.export's dynamic dims, one named size each: rows (unless one), tokens (unless
-    one), the cache's length (shared by the mask and every layer's keys and values)."""
+    """torch.export's dynamic dims: rows (unless one) and tokens (unless one) unnamed
+    (:func:`_free`), the cache's length one named size (shared by the mask and every
+    layer's keys and values)."""
     dim = torch.export.Dim
     r = {0: _free("rows")} if rows > 1 else {}
     t = _free("tokens") if tokens > 1 else None
@@ -197,7 +198,7 @@ def _free(name: str) -> Any:
     of its own, which export equates where the model combines them. A named size makes
     export prove every guard on it symbolically, which it cannot for some it emits
     (Llama 4's experts reshape rows x tokens: ``n * Min(32, 32 * n) == 32 * n``); the
-    cache's length stays named, as every layer's cache and the mask share it. Where torch
-    has no such hint (before 2.6), the named size."""
+    cache's length stays named, as every layer's cache and the mask share it. Where torch's
+    hint takes no bounds (older versions), the named size."""
     hint = getattr(torch.export.Dim, "DYNAMIC", None)
     return hint(min=2) if callable(hint) else torch.export.Dim(name, min=2)
